@@ -1,0 +1,55 @@
+"""A multi-layer perceptron as a list of stages."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from flax import nnx
+
+from dgrad.models.common import as_rngs
+from dgrad.models.split import choose_cuts, stages_from_blocks
+
+
+class Dense(nnx.Module):
+    """A linear layer, followed by ReLU unless it is the output layer."""
+
+    def __init__(self, in_features: int, out_features: int, *, activate: bool, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(in_features, out_features, rngs=rngs)
+        self.activate = activate
+
+    def __call__(self, x):
+        y = self.linear(x)
+        return jax.nn.relu(y) if self.activate else y
+
+
+def mlp(
+    features: Sequence[int],
+    num_stages: int = 1,
+    *,
+    split: str | Sequence[int] = "balanced",
+    rngs=0,
+) -> list[nnx.Sequential]:
+    """An MLP `features[0] -> ... -> features[-1]` cut into `num_stages` stages.
+
+    Each linear layer is one block; `split="balanced"` balances the
+    multiply-adds (in * out) of the stages. Inputs are flattened first.
+
+    >>> stages = mlp([64, 32, 32, 10], num_stages=3)
+    >>> [len(s.layers) for s in stages]
+    [2, 1, 1]
+    """
+    features = list(features)
+    if len(features) < 2 or any(not isinstance(f, int) or f < 1 for f in features):
+        raise ValueError(f"features must list at least two positive layer sizes, got {features}.")
+    rngs = as_rngs(rngs)
+    sizes = list(zip(features, features[1:]))
+    blocks = [Dense(i, o, activate=n < len(sizes) - 1, rngs=rngs) for n, (i, o) in enumerate(sizes)]
+    blocks[0] = nnx.Sequential(Flatten(), blocks[0])
+    cuts = choose_cuts(split, num_stages, [i * o for i, o in sizes], model=f"The MLP {features}")
+    return stages_from_blocks(blocks, cuts)
+
+
+class Flatten(nnx.Module):
+    def __call__(self, x):
+        return x.reshape(x.shape[0], -1)

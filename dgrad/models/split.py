@@ -1,0 +1,109 @@
+"""Cutting a chain of blocks into pipeline stages.
+
+A model is built as a list of blocks (each an NNX module whose output feeds the
+next) and cut at K-1 positions into K stages. `cuts` are the indices of the
+blocks that start stages 1..K-1.
+
+>>> balanced_cuts([1, 1, 1, 1, 4], num_stages=2)
+[4]
+>>> balanced_cuts([3, 1, 1, 1, 1, 1], num_stages=3)
+[1, 3]
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from flax import nnx
+
+
+def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Cuts `costs` into `num_stages` contiguous runs minimising the largest run's sum.
+
+    Exact (dynamic programming over prefix sums). Among optimal splits it returns
+    the one whose cuts come first.
+    """
+    n = len(costs)
+    check_num_stages(num_stages, n)
+    prefix = [0.0]
+    for c in costs:
+        if c < 0:
+            raise ValueError(f"block costs must be non-negative, got {c}.")
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[j][i]: smallest possible largest stage cost for blocks[:i] in j stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut_at = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for j in range(1, num_stages + 1):
+        for i in range(j, n - (num_stages - j) + 1):
+            for s in range(j - 1, i):
+                value = max(best[j - 1][s], prefix[i] - prefix[s])
+                if value < best[j][i]:
+                    best[j][i], cut_at[j][i] = value, s
+    cuts, i = [], n
+    for j in range(num_stages, 1, -1):
+        i = cut_at[j][i]
+        cuts.append(i)
+    return cuts[::-1]
+
+
+def check_num_stages(num_stages: int, num_blocks: int, model: str = "This model") -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}.")
+    if num_stages > num_blocks:
+        raise ValueError(
+            f"{model} has {num_blocks} splittable blocks, so it cannot be cut into "
+            f"num_stages={num_stages} stages; use at most {num_blocks} stages or a deeper model."
+        )
+
+
+def check_cuts(cuts: Sequence[int], num_blocks: int) -> list[int]:
+    cuts = list(cuts)
+    if any(not isinstance(c, int) for c in cuts) or cuts != sorted(set(cuts)) or (
+            cuts and not (0 < cuts[0] and cuts[-1] < num_blocks)):
+        raise ValueError(
+            f"cuts must be strictly increasing block indices in 1..{num_blocks - 1}, got {cuts}.")
+    return cuts
+
+
+def choose_cuts(
+    split: str | Sequence[int],
+    num_stages: int,
+    costs: Sequence[float],
+    authors: Mapping[int, Sequence[int]] | None = None,
+    model: str = "This model",
+) -> list[int]:
+    """Resolves a `split` argument into cut positions.
+
+    Args:
+      split: `"auto"` (the papers' split for this model and K where they give
+        one, else balanced), `"authors"` (the papers' split, or an error),
+        `"balanced"` (`balanced_cuts` on `costs`), or explicit cut positions.
+      num_stages: K.
+      costs: one cost per block, for balancing.
+      authors: the papers' cuts for this model, by K.
+    """
+    check_num_stages(num_stages, len(costs), model)
+    authors = authors or {}
+    if isinstance(split, str):
+        if split == "authors" and num_stages not in authors and num_stages > 1:
+            raise ValueError(
+                f"The papers give no split of {model} into {num_stages} stages (they give "
+                f"K in {sorted(authors) or 'none'}); use split='balanced' or explicit cuts.")
+        if split in ("auto", "authors") and num_stages in authors:
+            return list(authors[num_stages])
+        if split in ("auto", "authors", "balanced"):
+            return balanced_cuts(costs, num_stages)
+        raise ValueError(
+            f"Unknown split {split!r}; use 'auto', 'authors', 'balanced' or a list of cut indices.")
+    cuts = check_cuts(split, len(costs))
+    if len(cuts) != num_stages - 1:
+        raise ValueError(f"{num_stages} stages need {num_stages - 1} cuts, got {len(cuts)}: {cuts}.")
+    return cuts
+
+
+def stages_from_blocks(blocks: Sequence[nnx.Module], cuts: Sequence[int]) -> list[nnx.Sequential]:
+    """Groups `blocks` into `nnx.Sequential` stages that start at `cuts`."""
+    bounds = [0, *check_cuts(cuts, len(blocks)), len(blocks)]
+    return [nnx.Sequential(*blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
