@@ -98,7 +98,7 @@ def _shape_dtype(a) -> jax.ShapeDtypeStruct:
 
 
 def _spec(tree):
-    return jax.tree.map(lambda a: (_shape_dtype(a).shape, _shape_dtype(a).dtype), tree)
+    return jax.tree.map(lambda a: f"{_shape_dtype(a).dtype}{list(_shape_dtype(a).shape)}", tree)
 
 
 def _split_batch(batch):
@@ -258,8 +258,9 @@ class Pipeline:
         got = _spec(_split_batch(batch))
         if got != self._batch_spec:
             raise ValueError(
-                f"This batch has (shape, dtype) {got} but init saw {self._batch_spec}; every batch "
-                "must match (drop the last partial batch, or pad it, and cast to the same dtype)."
+                f"This batch's (inputs, labels) are {got}, but init saw {self._batch_spec}; every "
+                "batch must match (drop the last partial batch, or pad it, and cast to the same "
+                "dtype)."
             )
         return batch
 

@@ -35,9 +35,9 @@ def mlp(
     Each linear layer is one block; `split="balanced"` balances the
     multiply-adds (in * out) of the stages. Inputs are flattened first.
 
-    >>> stages = mlp([64, 32, 32, 10], num_stages=3)
+    >>> stages = mlp([64, 32, 32, 10], num_stages=2)
     >>> [len(s.layers) for s in stages]
-    [2, 1, 1]
+    [1, 2]
     """
     features = list(features)
     if len(features) < 2 or any(not isinstance(f, int) or f < 1 for f in features):

@@ -1,0 +1,17 @@
+"""The docstring examples run and say what they show."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["dgrad.schedule", "dgrad.optim", "dgrad.losses", "dgrad.stage", "dgrad.placement",
+           "dgrad.pipeline", "dgrad.reference", "dgrad.models.split", "dgrad.models.mlp",
+           "dgrad.models.resnet"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0

@@ -1,0 +1,159 @@
+"""Properties that must hold whatever the reference says: K=1 is backprop, layouts
+do not change numbers, the papers' delays, no update during fill, one compile per function."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dgrad
+from dgrad import models
+from helpers import batches, build_stages, run_pipeline, stage_params, stage_rests
+
+
+def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_one_stage_is_backprop_for_every_method(model):
+    _, bp_state, bp_metrics = run_pipeline(model, 1, steps=6, method="bp", fused=True)
+    for method, weights, memory in [("bp", "stash", "residuals"), ("ddg", "stash", "residuals"),
+                                    ("ddg", "current", "recompute"), ("fdg", "stash", "recompute")]:
+        _, state, history = run_pipeline(model, 1, steps=6, method=method, weights=weights,
+                                         memory=memory, beta=0.5 if method == "fdg" else 1.0)
+        assert_trees_close(stage_params(state), stage_params(bp_state))
+        assert_trees_close(stage_rests(state), stage_rests(bp_state))
+        assert [m["batch"] for m in history] == list(range(6))
+        assert_trees_close([m["loss"] for m in history], [m["loss"] for m in bp_metrics])
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_staged_backprop_equals_fused_backprop(model, num_stages):
+    _, fused, _ = run_pipeline(model, num_stages, steps=5, method="bp", fused=True,
+                               devices=jax.devices()[:1])
+    _, staged, _ = run_pipeline(model, num_stages, steps=5, method="bp",
+                                devices=jax.devices()[:num_stages])
+    assert_trees_close(stage_params(staged), stage_params(fused), rtol=1e-5, atol=1e-6)
+    assert_trees_close(stage_rests(staged), stage_rests(fused), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method,weights,memory", [("ddg", "stash", "residuals"),
+                                                   ("fdg", "current", "recompute")])
+def test_device_mapping_does_not_change_numbers(method, weights, memory):
+    devices = jax.devices()
+    layouts = [dict(devices=devices[:1]), dict(devices=devices[:4]),
+               dict(devices=devices[:2]),  # two stages per device
+               dict(devices=devices, placement=[3, 2, 1, 0]),
+               dict(devices=devices, placement=[0, 1, 0, 1])]
+    results = []
+    for layout in layouts:
+        pipe, state, _ = run_pipeline("cnn", 4, method=method, weights=weights, memory=memory,
+                                      beta=0.7 if method == "fdg" else 1.0, **layout)
+        for device, stage in zip(pipe.devices, state.stages):
+            assert all(leaf.devices() == {device} for leaf in jax.tree.leaves(stage))
+        results.append((stage_params(state), stage_rests(state)))
+    for other in results[1:]:
+        assert_trees_close(other, results[0], rtol=1e-6, atol=1e-7)
+
+
+def _marked_stream(num_batches, marked, width=5):
+    """Batches whose loss weight is zero except for batch `marked`."""
+    rng = np.random.default_rng(1)
+    return [(jnp.asarray(rng.normal(size=(4, width)), jnp.float32),
+             jnp.full((4,), 1.0 if t == marked else 0.0, jnp.float32)) for t in range(num_batches)]
+
+
+def _weighted_sum_loss(outputs, weights):
+    return jnp.mean(outputs.sum(axis=-1) * weights), {}
+
+
+def _steps_where_params_change(num_stages, method, stream, optimizer, **kwargs):
+    stages = models.mlp([5, 7, 7, 7, 7, 3][:num_stages + 1] + [3], num_stages=num_stages, rngs=2)
+    pipe = dgrad.Pipeline(stages, method=method, optimizer=optimizer,
+                          loss_fn=_weighted_sum_loss, devices=jax.devices()[:num_stages], **kwargs)
+    state = pipe.init(stream[0])
+    changed = [[] for _ in range(num_stages)]
+    for t, batch in enumerate(stream):
+        before = stage_params(state)
+        state, _ = pipe.step(state, batch)
+        for k, (old, new) in enumerate(zip(before, stage_params(state))):
+            if any(np.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))):
+                changed[k].append(t)
+    return changed
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize("method", ["bp", "ddg", "fdg"])
+@pytest.mark.parametrize("weights,memory", [("stash", "residuals"), ("current", "recompute")])
+def test_each_stage_applies_the_gradient_of_the_papers_batch(num_stages, method, weights, memory):
+    """Only batch 2 carries a gradient, so stage k's weights move exactly when it is applied:
+    DDG K-1-k steps after the batch entered, FDG 2(K-1-k)+k steps after (its forward at k)."""
+    marked, K = 2, num_stages
+    stream = _marked_stream(2 * K + 4, marked)
+    changed = _steps_where_params_change(K, method, stream, optax.sgd(0.1), weights=weights,
+                                         memory=memory)
+    delay = {"bp": lambda k: 0, "ddg": lambda k: K - 1 - k,
+             "fdg": lambda k: k + 2 * (K - 1 - k)}[method]
+    assert changed == [[marked + delay(k)] for k in range(K)]
+
+
+@pytest.mark.parametrize("method", ["ddg", "fdg"])
+def test_no_update_during_fill(method):
+    """With weight decay every real update moves the weights; during fill none may."""
+    K = 3
+    stream = _marked_stream(9, marked=-1)
+    changed = _steps_where_params_change(
+        K, method, stream, optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1)))
+    first = {"ddg": lambda k: K - 1 - k, "fdg": lambda k: 2 * K - 2 - k}[method]
+    assert changed == [list(range(first(k), 9)) for k in range(K)]
+
+
+def test_learning_rate_schedules_count_each_stages_own_updates():
+    schedule = optax.piecewise_constant_schedule(0.1, {3: 0.0})
+    K, stream = 3, _marked_stream(12, marked=-1)
+    changed = _steps_where_params_change(
+        K, "fdg", stream, optax.chain(optax.add_decayed_weights(0.1), optax.sgd(schedule)))
+    # Three updates each, starting when the stage's pipeline fill ends.
+    assert changed == [list(range(2 * K - 2 - k, 2 * K + 1 - k)) for k in range(K)]
+
+
+@pytest.mark.parametrize("method,weights,memory,fused", [
+    ("bp", "stash", "residuals", True), ("bp", "stash", "recompute", False),
+    ("ddg", "stash", "residuals", False), ("ddg", "current", "recompute", False),
+    ("fdg", "stash", "recompute", False), ("fdg", "stash", "residuals", False)])
+def test_each_stage_function_compiles_once(method, weights, memory, fused):
+    K = 1 if fused else 3
+    devices = jax.devices()[:1] if fused else jax.devices()[:K]
+    pipe, state, _ = run_pipeline("cnn", K, steps=3 * K + 2, method=method, weights=weights,
+                                  memory=memory, fused=fused, devices=devices)
+    counts = _compile_counts(pipe)
+    assert max(counts.values()) == 1, counts
+    for batch in batches("cnn", 2, seed=5):
+        state, _ = pipe.step(state, batch)
+    assert _compile_counts(pipe) == counts
+
+
+def _compile_counts(pipe):
+    counts = {(k, name): fn._cache_size()
+              for k, stage in enumerate(pipe.stages) for name, fn in stage.jitted().items()}
+    if pipe.fused:
+        counts["fused"] = pipe._fused_step._cache_size()
+    return counts
+
+
+def test_nonfinite_loss_is_flagged():
+    data = batches("mlp", 4)
+    pipe = dgrad.Pipeline(build_stages("mlp", 2), method="ddg", optimizer=optax.sgd(0.1))
+    state = pipe.init(data[0])
+    state, _ = pipe.step(state, data[0])
+    pipe.check_finite(state)
+    bad = (data[1][0].at[0, 0].set(jnp.nan), data[1][1])
+    state, metrics = pipe.step(state, bad)
+    assert not np.isfinite(metrics["loss"])
+    state, _ = pipe.step(state, data[2])
+    with pytest.raises(FloatingPointError, match="NaN or infinite"):
+        pipe.check_finite(state)
