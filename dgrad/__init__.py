@@ -7,5 +7,13 @@ from dgrad.schedule import METHODS, Schedule
 
 __version__ = "0.1.0"
 
-__all__ = ["Pipeline", "PipelineState", "Schedule", "METHODS", "place_stages", "losses",
-           "models", "optim"]
+__all__ = [
+    "Pipeline",
+    "PipelineState",
+    "Schedule",
+    "METHODS",
+    "place_stages",
+    "losses",
+    "models",
+    "optim",
+]

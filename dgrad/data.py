@@ -36,11 +36,14 @@ def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split
     test, train = order[:num_test], order[num_test:]
     mean, std = images[train].mean(), images[train].std()
     normalise = lambda x: (x - mean) / std  # noqa: E731
-    return Split(normalise(images[train]), labels[train]), Split(normalise(images[test]), labels[test])
+    return Split(normalise(images[train]), labels[train]), Split(
+        normalise(images[test]), labels[test]
+    )
 
 
-def batches(split: Split, batch_size: int, *, seed: int | None = None,
-            drop_remainder: bool = True) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def batches(
+    split: Split, batch_size: int, *, seed: int | None = None, drop_remainder: bool = True
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """One pass over `split` in batches, shuffled when `seed` is given."""
     n = len(split.labels)
     if batch_size > n and drop_remainder:
@@ -48,5 +51,5 @@ def batches(split: Split, batch_size: int, *, seed: int | None = None,
     order = np.arange(n) if seed is None else np.random.default_rng(seed).permutation(n)
     stop = n - n % batch_size if drop_remainder else n
     for start in range(0, stop, batch_size):
-        index = order[start:start + batch_size]
+        index = order[start : start + batch_size]
         yield split.images[index], split.labels[index]

@@ -119,7 +119,7 @@ class Pipeline:
         output is stage k+1's input, the last stage's output goes to `loss_fn`.
       method: `"bp"` (backprop; stage by stage, or `fused=True` for one jitted
         step on one device), `"ddg"` (decoupled backward, Huo et al. 2018) or
-        `"fdg"` (fully decoupled, Zhuang et al. 2019). DESIGN.md fixes the timing.
+        `"fdg"` (fully decoupled, Zhuang et al. 2019). `dgrad.schedule` fixes the timing.
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
       beta: FDG gradient shrinking: stage k's gradient is scaled by
@@ -161,21 +161,25 @@ class Pipeline:
                 f"method='fdg' or leave beta at 1.0 for method={method!r}."
             )
         if weights not in WEIGHT_POLICIES:
-            raise ValueError(f"Unknown weights policy {weights!r}; choose one of {WEIGHT_POLICIES}.")
+            raise ValueError(
+                f"Unknown weights policy {weights!r}; choose one of {WEIGHT_POLICIES}."
+            )
         if memory not in MEMORY_POLICIES:
             raise ValueError(f"Unknown memory policy {memory!r}; choose one of {MEMORY_POLICIES}.")
         if weights == "current" and memory == "residuals":
             raise ValueError(
                 "weights='current' needs memory='recompute': residuals kept from the forward "
                 "hold the old weights, so the backward would mix stale activations with live "
-                "weights (the artefact of the FDG/DDG PyTorch code, which dgrad does not reproduce)."
+                "weights; use weights='stash' to keep residuals."
             )
         self.weights, self.memory = weights, memory
         self.num_stages = len(stages)
         self.schedule = Schedule(method, self.num_stages)
         self.devices = place_stages(self.num_stages, devices, placement)
         if fused and method != "bp":
-            raise ValueError(f"fused=True is a form of backprop; it needs method='bp', not {method!r}.")
+            raise ValueError(
+                f"fused=True is a form of backprop; it needs method='bp', not {method!r}."
+            )
         if fused and len(set(self.devices)) > 1:
             raise ValueError(
                 "fused=True runs the whole step as one function on one device, but the stages "
@@ -202,8 +206,11 @@ class Pipeline:
         self._batch_spec = None
 
     def _stage_optimizer(self, optimizer: Optimizer, k: int) -> optax.GradientTransformation:
-        tx = optimizer(k) if callable(optimizer) and not isinstance(
-            optimizer, optax.GradientTransformation) else optimizer
+        tx = (
+            optimizer(k)
+            if callable(optimizer) and not isinstance(optimizer, optax.GradientTransformation)
+            else optimizer
+        )
         if not isinstance(tx, optax.GradientTransformation):
             raise TypeError(
                 "optimizer must be an optax.GradientTransformation or a function from the stage "
@@ -214,8 +221,10 @@ class Pipeline:
         return tx
 
     def __repr__(self):
-        return (f"Pipeline(method={self.method!r}, num_stages={self.num_stages}, beta={self.beta}, "
-                f"weights={self.weights!r}, memory={self.memory!r}, devices={self.devices})")
+        return (
+            f"Pipeline(method={self.method!r}, num_stages={self.num_stages}, beta={self.beta}, "
+            f"weights={self.weights!r}, memory={self.memory!r}, devices={self.devices})"
+        )
 
     # ------------------------------------------------------------------ init
 
@@ -231,8 +240,9 @@ class Pipeline:
         for k, fns in enumerate(self.stages):
             try:
                 if k == self.num_stages - 1:
-                    jax.eval_shape(fns.loss_and_backward, fns.params, fns.rest, shape,
-                                   _shape_dtype(labels))
+                    jax.eval_shape(
+                        fns.loss_and_backward, fns.params, fns.rest, shape, _shape_dtype(labels)
+                    )
                 else:
                     shape = jax.eval_shape(fns.forward, fns.params, fns.rest, shape)[0]
             except Exception as error:  # noqa: BLE001 -- re-raised with the stage named
@@ -279,7 +289,8 @@ class Pipeline:
         if self.fused:
             return self._step_fused(state, inputs, labels)
         return {"bp": self._step_bp, "ddg": self._step_ddg, "fdg": self._step_fdg}[self.method](
-            state, inputs, labels)
+            state, inputs, labels
+        )
 
     def _put(self, value, k):
         return jax.device_put(value, self.devices[k])
@@ -303,15 +314,18 @@ class Pipeline:
         if record.batch != cotangent.batch:
             raise AssertionError(
                 f"stage {k} holds batch {record.batch} but received the cotangent of batch "
-                f"{cotangent.batch}; the pipeline state is corrupt")
+                f"{cotangent.batch}; the pipeline state is corrupt"
+            )
         if record.residuals is not None:
             grads, input_cotangent = fns.backward_kept(record.residuals, cotangent.value)
         elif record.params is not None:
             grads, input_cotangent = fns.backward_recompute(
-                record.params, record.rest, record.inputs, cotangent.value)
+                record.params, record.rest, record.inputs, cotangent.value
+            )
         else:
             grads, input_cotangent = fns.backward_recompute(
-                stage.params, stage.rest, record.inputs, cotangent.value)
+                stage.params, stage.rest, record.inputs, cotangent.value
+            )
         params, opt_state = fns.update(stage.params, stage.opt_state, grads)
         return stage.replace(params=params, opt_state=opt_state, pending=pending), input_cotangent
 
@@ -333,7 +347,8 @@ class Pipeline:
             y, stages[k] = self._forward(k, stages[k], x, t)
             x = self._put(y, k + 1)
         stages[last], sent, finite, metrics = self._loss_and_update(
-            state, stages[last], x, self._put(labels, last), t)
+            state, stages[last], x, self._put(labels, last), t
+        )
         for k in reversed(range(last)):
             stages[k], cotangent = self._backward_and_update(k, stages[k], sent)
             sent = None if k == 0 else Message(t, self._put(cotangent, k - 1))
@@ -347,7 +362,8 @@ class Pipeline:
             y, stages[k] = self._forward(k, stages[k], x, t)
             x = self._put(y, k + 1)
         stages[last], sent, finite, metrics = self._loss_and_update(
-            state, stages[last], x, self._put(labels, last), t)
+            state, stages[last], x, self._put(labels, last), t
+        )
         if last > 0:
             cotangents[last - 1] = sent
         for k in range(last):
@@ -357,8 +373,9 @@ class Pipeline:
             stages[k], cotangent = self._backward_and_update(k, stages[k], received)
             if k > 0:
                 cotangents[k - 1] = Message(received.batch, self._put(cotangent, k - 1))
-        return state.replace(step=t + 1, stages=tuple(stages), cotangents=tuple(cotangents),
-                             finite=finite), metrics
+        return state.replace(
+            step=t + 1, stages=tuple(stages), cotangents=tuple(cotangents), finite=finite
+        ), metrics
 
     def _step_fdg(self, state, x, labels):
         t, last = state.step, self.num_stages - 1
@@ -375,16 +392,23 @@ class Pipeline:
             if arriving[k] is not None:
                 y, stages[k] = self._forward(k, stages[k], arriving[k].value, arriving[k].batch)
                 activations[k + 1] = Message(
-                    arriving[k].batch, self._put(y, k + 1), self._put(arriving[k].labels, k + 1))
+                    arriving[k].batch, self._put(y, k + 1), self._put(arriving[k].labels, k + 1)
+                )
         metrics, finite = {}, state.finite
         if arriving[last] is not None:
             message = arriving[last]
             stages[last], sent, finite, metrics = self._loss_and_update(
-                state, stages[last], message.value, message.labels, message.batch)
+                state, stages[last], message.value, message.labels, message.batch
+            )
             if last > 0:
                 cotangents[last - 1] = sent
-        return state.replace(step=t + 1, stages=tuple(stages), activations=tuple(activations),
-                             cotangents=tuple(cotangents), finite=finite), metrics
+        return state.replace(
+            step=t + 1,
+            stages=tuple(stages),
+            activations=tuple(activations),
+            cotangents=tuple(cotangents),
+            finite=finite,
+        ), metrics
 
     def _fused_step_fn(self, params, rests, opt_states, x, labels):
         def loss(params):
@@ -396,20 +420,28 @@ class Pipeline:
             return value, (metrics, new_rests)
 
         (value, (metrics, new_rests)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        updated = [fns.apply_optimizer(p, o, g)
-                   for fns, p, o, g in zip(self.stages, params, opt_states, grads)]
+        updated = [
+            fns.apply_optimizer(p, o, g)
+            for fns, p, o, g in zip(self.stages, params, opt_states, grads)
+        ]
         new_params, new_opt_states = zip(*updated)
         return list(new_params), new_rests, list(new_opt_states), {"loss": value, **metrics}
 
     def _step_fused(self, state, x, labels):
         stages = state.stages
         params, rests, opt_states, metrics = self._fused_step(
-            [s.params for s in stages], [s.rest for s in stages],
-            [s.opt_state for s in stages], x, labels)
+            [s.params for s in stages],
+            [s.rest for s in stages],
+            [s.opt_state for s in stages],
+            x,
+            labels,
+        )
         stages = tuple(StageState(p, r, o) for p, r, o in zip(params, rests, opt_states))
         finite = state.finite & jnp.isfinite(metrics["loss"])
-        return (state.replace(step=state.step + 1, stages=stages, finite=finite),
-                {**metrics, "batch": state.step})
+        return (
+            state.replace(step=state.step + 1, stages=stages, finite=finite),
+            {**metrics, "batch": state.step},
+        )
 
     # ------------------------------------------------------- use the weights
 
@@ -429,7 +461,10 @@ class Pipeline:
 
     @staticmethod
     def check_finite(state: PipelineState) -> None:
-        """Raises FloatingPointError if any loss so far was NaN or infinite (waits for the device)."""
+        """Raises FloatingPointError if any loss so far was NaN or infinite.
+
+        This waits for the device: call it once an epoch, not every step.
+        """
         if not bool(state.finite):
             raise FloatingPointError(
                 f"A training loss was NaN or infinite at or before step {state.step}; lower the "

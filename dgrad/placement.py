@@ -41,7 +41,9 @@ def place_stages(
         raise ValueError("devices is empty; pass at least one device or None for jax.devices().")
     for device in devices:
         if not isinstance(device, jax.Device):
-            raise TypeError(f"devices must hold jax.Device objects (from jax.devices()), got {device!r}.")
+            raise TypeError(
+                f"devices must hold jax.Device objects (from jax.devices()), got {device!r}."
+            )
     if isinstance(placement, str):
         if placement == "spread":
             used = min(len(devices), num_stages)

@@ -101,6 +101,7 @@ def reference_run(
     def loss_gradient(params, rest, x, labels):
         def loss(params, x):
             return loss_fn(apply(K - 1, params, rest, x)[0], labels)[0]
+
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
     forward_rest = {}  # (stage, batch) -> the rest the stage had when it forwarded the batch
@@ -126,10 +127,12 @@ def reference_run(
         xs = activations(b, K - 1)
         last = K - 1
         loss, (grad, cotangent) = loss_gradient(
-            backward_weights(last, b), forward_rest[(last, b)], xs[last], batches[b][1])
+            backward_weights(last, b), forward_rest[(last, b)], xs[last], batches[b][1]
+        )
         for j in range(last - 1, k - 1, -1):
             grad, cotangent = backward(
-                j, backward_weights(j, b), forward_rest[(j, b)], xs[j], beta * cotangent)
+                j, backward_weights(j, b), forward_rest[(j, b)], xs[j], beta * cotangent
+            )
         return grad, loss
 
     loss_history, gradient_batches = [], [[] for _ in range(K)]
@@ -166,7 +169,9 @@ def reference_run(
 
 def max_relative_error(a, b) -> float:
     """The largest over leaves of `max|a - b| / max|b|` for two pytrees of arrays."""
+
     def error(x, y):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
         return float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)) if y.size else 0.0
+
     return max(jax.tree.leaves(jax.tree.map(error, a, b)), default=0.0)

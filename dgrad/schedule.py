@@ -1,15 +1,32 @@
 """Who forwards and who back-propagates which batch, at which iteration.
 
 The three training methods of dgrad differ only in their timetable. This module
-states that timetable as plain integer arithmetic so that the pipeline engine,
-the single-device reference and the optax delay transforms can share one
-source of truth, and so that tests can check it against the papers:
+states it as plain integer arithmetic; the engine's message passing, the
+single-device reference and the tests all answer to it.
 
-| method | stage k forwards | stage k backprops | iterations between |
-|--------|------------------|-------------------|--------------------|
-| bp     | b_t              | b_t               | 0                  |
-| ddg    | b_t              | b_{t-(K-1-k)}     | K-1-k              |
-| fdg    | b_{t-k}          | b_{t-2K+2+k}      | 2(K-1-k)           |
+Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
+
+| method | inside an iteration         | stage k forwards | backprops     | weight staleness |
+|--------|-----------------------------|------------------|---------------|------------------|
+| bp     | forward all, backward all   | b_t              | b_t           | 0                |
+| ddg    | forward in order, then      | b_t              | b_{t-(K-1-k)} | K-1-k            |
+|        | backward + update           |                  |               |                  |
+| fdg    | backward + update, then     | b_{t-k}          | b_{t-2K+2+k}  | 2(K-1-k)-1, and  |
+|        | forward (last stage: both)  |                  |               | 0 for the last   |
+
+- DDG: the cotangent stage k uses at t was made by stage k+1 at t-1; the last
+  stage back-propagates its own fresh loss.
+- FDG: every hop between stages, forward or backward, costs one iteration, so
+  all stage steps of an iteration are independent. Stage k back-propagates a
+  batch 2(K-1-k) iterations after forwarding it; since it updates before it
+  forwards, the weights that batch saw are one update younger than the gap.
+  Gradient shrinking multiplies the received cotangent by beta at every stage,
+  so stage k's gradient is scaled by beta^(K-1-k); weight decay is not shrunk.
+- Fill: a stage with no gradient yet makes no update at all (no optimizer step,
+  no momentum or weight decay). The pipeline is never drained between epochs.
+- Weight staleness counts the updates between a batch's forward and the update
+  that applies its gradient, which is what a single-device staleness
+  simulation must use.
 
 >>> s = Schedule("fdg", num_stages=3)
 >>> [s.forward_batch(k, 4) for k in range(3)], [s.backward_batch(k, 4) for k in range(3)]

@@ -79,12 +79,21 @@ class StageFunctions:
         self.backward_recompute = jax.jit(self._backward_recompute)
         self.loss_and_backward = jax.jit(self._loss_and_backward)
         self.predict = jax.jit(self._predict)
-        self.update = jax.jit(self.apply_optimizer, donate_argnums=(0, 1) if donate_params else (1,))
+        self.update = jax.jit(
+            self.apply_optimizer, donate_argnums=(0, 1) if donate_params else (1,)
+        )
 
     def jitted(self) -> dict[str, Any]:
         """The jitted functions by name (for compilation counting)."""
-        names = ("forward", "forward_keep", "backward_kept", "backward_recompute",
-                 "loss_and_backward", "predict", "update")
+        names = (
+            "forward",
+            "forward_keep",
+            "backward_kept",
+            "backward_recompute",
+            "loss_and_backward",
+            "predict",
+            "update",
+        )
         return {name: getattr(self, name) for name in names}
 
     # Pure functions (also used un-jitted by the fused BP step).
@@ -138,7 +147,8 @@ class StageFunctions:
 
         argnums = 0 if self.first else (0, 1)
         (value, (metrics, new_rest)), grads = jax.value_and_grad(
-            loss, argnums=argnums, has_aux=True)(params, x)
+            loss, argnums=argnums, has_aux=True
+        )(params, x)
         grads, cotangent = (grads, None) if self.first else grads
         return grads, cotangent, new_rest, {"loss": value, **metrics}
 

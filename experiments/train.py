@@ -19,8 +19,11 @@ import time
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--methods", default="bp,fdg",
-                        help="comma-separated methods to train, from bp, ddg, fdg (default bp,fdg)")
+    parser.add_argument(
+        "--methods",
+        default="bp,fdg",
+        help="comma-separated methods to train, from bp, ddg, fdg (default bp,fdg)",
+    )
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages K (default 2)")
     parser.add_argument("--beta", type=float, default=1.0, help="FDG gradient shrinking (0, 1]")
     parser.add_argument("--model", choices=["resnet", "mlp"], default="resnet")
@@ -54,27 +57,43 @@ def main(argv=None) -> dict[str, float]:
 
     devices = jax.devices()
     if devices[0].platform == "cpu":
-        print(f"No accelerator found: running {args.stages} stage(s) on "
-              f"{len(devices)} fake CPU devices.")
+        print(
+            f"No accelerator found: running {args.stages} stage(s) on "
+            f"{len(devices)} fake CPU devices."
+        )
     train, test = data.load_digits(seed=args.seed)
     steps_per_epoch = len(train.labels) // args.batch_size
     optimizer = optax.chain(
         optax.add_decayed_weights(args.weight_decay),
-        optax.sgd(optax.cosine_decay_schedule(args.lr, args.epochs * steps_per_epoch), 0.9))
+        optax.sgd(optax.cosine_decay_schedule(args.lr, args.epochs * steps_per_epoch), 0.9),
+    )
 
     def build(num_stages):
         if args.model == "mlp":
             return models.mlp([64, 128, 128, 10], num_stages=num_stages, rngs=args.seed)
-        return models.cifar_resnet(args.depth, 10, num_stages, width=args.width, in_channels=1,
-                                   split="balanced", rngs=args.seed)
+        return models.cifar_resnet(
+            args.depth,
+            10,
+            num_stages,
+            width=args.width,
+            in_channels=1,
+            split="balanced",
+            rngs=args.seed,
+        )
 
     results = {}
     for method in args.methods:
         fused = method == "bp"
         pipe = dgrad.Pipeline(
-            build(1 if fused else args.stages), method=method, optimizer=optimizer,
-            beta=args.beta if method == "fdg" else 1.0, weights=args.weights,
-            memory=args.memory, devices=devices[:1] if fused else devices, fused=fused)
+            build(1 if fused else args.stages),
+            method=method,
+            optimizer=optimizer,
+            beta=args.beta if method == "fdg" else 1.0,
+            weights=args.weights,
+            memory=args.memory,
+            devices=devices[:1] if fused else devices,
+            fused=fused,
+        )
         label = "BP (fused, 1 device)" if fused else f"{method.upper()} K={args.stages}"
         print(f"\n{label}: {pipe}")
         state = pipe.init(next(data.batches(train, args.batch_size)))
@@ -91,9 +110,12 @@ def main(argv=None) -> dict[str, float]:
             pipe.check_finite(state)
             accuracy = evaluate(pipe, state, test, args.batch_size)
             seconds = time.perf_counter() - start
-            print(f"  epoch {epoch + 1:3d}  train loss {np.mean(losses):.4f}  "
-                  f"test accuracy {accuracy:.4f}  {steps_per_epoch * args.batch_size / seconds:7.0f} "
-                  "samples/s", flush=True)
+            print(
+                f"  epoch {epoch + 1:3d}  train loss {np.mean(losses):.4f}  "
+                f"test accuracy {accuracy:.4f}  {steps_per_epoch * args.batch_size / seconds:7.0f} "
+                "samples/s",
+                flush=True,
+            )
         results[label] = accuracy
     print("\nTest accuracy:")
     for label, accuracy in results.items():

@@ -11,8 +11,11 @@ import jax
 jax.config.update("jax_num_cpu_devices", 4)
 # XLA's CPU compiler is slow on convolution gradients; the many pipelines built
 # by the tests compile identical stage functions, which this cache shares.
-jax.config.update("jax_compilation_cache_dir",
-                  os.environ.get("DGRAD_TEST_JAX_CACHE",
-                                 os.path.join(tempfile.gettempdir(), "dgrad-test-jax-cache")))
+jax.config.update(
+    "jax_compilation_cache_dir",
+    os.environ.get(
+        "DGRAD_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "dgrad-test-jax-cache")
+    ),
+)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

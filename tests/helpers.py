@@ -19,16 +19,16 @@ BATCH = 8
 
 def optimizer(k: int) -> optax.GradientTransformation:
     """SGD with momentum and weight decay, a little different per stage."""
-    return optax.chain(optax.add_decayed_weights(5e-4),
-                       optax.sgd(0.05 + 0.01 * k, momentum=0.9))
+    return optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05 + 0.01 * k, momentum=0.9))
 
 
 def build_stages(model: str, num_stages: int):
     if model == "mlp":
         return models.mlp([6, 16, 16, 16, NUM_CLASSES], num_stages=num_stages, rngs=1)
     if model == "cnn":  # ResNet-8 with 4 channels: five blocks, BatchNorm everywhere
-        return models.cifar_resnet(8, NUM_CLASSES, num_stages, width=4, in_channels=1,
-                                   split="balanced", rngs=1)
+        return models.cifar_resnet(
+            8, NUM_CLASSES, num_stages, width=4, in_channels=1, split="balanced", rngs=1
+        )
     raise ValueError(model)
 
 
@@ -38,8 +38,13 @@ def input_shape(model: str):
 
 def batches(model: str, count: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    return [(jnp.asarray(rng.normal(size=input_shape(model)), jnp.float32),
-             jnp.asarray(rng.integers(0, NUM_CLASSES, BATCH), jnp.int32)) for _ in range(count)]
+    return [
+        (
+            jnp.asarray(rng.normal(size=input_shape(model)), jnp.float32),
+            jnp.asarray(rng.integers(0, NUM_CLASSES, BATCH), jnp.int32),
+        )
+        for _ in range(count)
+    ]
 
 
 def num_steps(num_stages: int) -> int:
@@ -49,8 +54,14 @@ def num_steps(num_stages: int) -> int:
 @functools.lru_cache(maxsize=None)
 def reference(model, num_stages, method, weights, beta):
     data = batches(model, num_steps(num_stages))
-    return reference_run(build_stages(model, num_stages), data, method=method,
-                         optimizer=optimizer, beta=beta, weights=weights)
+    return reference_run(
+        build_stages(model, num_stages),
+        data,
+        method=method,
+        optimizer=optimizer,
+        beta=beta,
+        weights=weights,
+    )
 
 
 def run_pipeline(model, num_stages, steps=None, data=None, **kwargs):

@@ -5,9 +5,18 @@ import importlib
 
 import pytest
 
-MODULES = ["dgrad.schedule", "dgrad.optim", "dgrad.losses", "dgrad.stage", "dgrad.placement",
-           "dgrad.pipeline", "dgrad.reference", "dgrad.models.split", "dgrad.models.mlp",
-           "dgrad.models.resnet"]
+MODULES = [
+    "dgrad.schedule",
+    "dgrad.optim",
+    "dgrad.losses",
+    "dgrad.stage",
+    "dgrad.placement",
+    "dgrad.pipeline",
+    "dgrad.reference",
+    "dgrad.models.split",
+    "dgrad.models.mlp",
+    "dgrad.models.resnet",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

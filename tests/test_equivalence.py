@@ -3,9 +3,9 @@
 import jax
 import numpy as np
 import pytest
+from helpers import num_steps, reference, run_pipeline, stage_params, stage_rests
 
 from dgrad.reference import max_relative_error
-from helpers import num_steps, reference, run_pipeline, stage_params, stage_rests
 
 RTOL = 1e-5
 
@@ -25,16 +25,20 @@ MLP_ONLY = [("fdg", "stash", "residuals", 1.0), ("fdg", "current", "recompute", 
 
 def _layouts(num_stages):
     one = [jax.devices()[0]]
-    return {"one device": dict(devices=one),
-            f"{num_stages} devices": dict(devices=jax.devices()[:num_stages],
-                                          placement="one_per_device")}
+    return {
+        "one device": dict(devices=one),
+        f"{num_stages} devices": dict(
+            devices=jax.devices()[:num_stages], placement="one_per_device"
+        ),
+    }
 
 
 def _check_against_reference(model, num_stages, method, weights, memory, beta):
     ref = reference(model, num_stages, method, weights, beta)
     for layout, placement in _layouts(num_stages).items():
-        _, state, history = run_pipeline(model, num_stages, method=method, weights=weights,
-                                         memory=memory, beta=beta, **placement)
+        _, state, history = run_pipeline(
+            model, num_stages, method=method, weights=weights, memory=memory, beta=beta, **placement
+        )
         assert state.step == num_steps(num_stages)
         params_error = max_relative_error(stage_params(state), ref.params)
         rest_error = max_relative_error(stage_rests(state), ref.rests)
@@ -43,8 +47,9 @@ def _check_against_reference(model, num_stages, method, weights, memory, beta):
         for t, (metrics, ref_loss) in enumerate(zip(history, ref.losses)):
             assert (metrics == {}) == (ref_loss is None), f"{layout}: fill differs at step {t}"
             if ref_loss is not None:
-                np.testing.assert_allclose(metrics["loss"], ref_loss, rtol=RTOL,
-                                           err_msg=f"{layout}: loss at step {t}")
+                np.testing.assert_allclose(
+                    metrics["loss"], ref_loss, rtol=RTOL, err_msg=f"{layout}: loss at step {t}"
+                )
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
@@ -63,7 +68,11 @@ def test_batchnorm_cnn_matches_reference(num_stages, method, weights, memory, be
 def test_comparison_can_fail(model):
     """The methods really differ by far more than the tolerance, so the checks above bite."""
     _, state, _ = run_pipeline(model, 3, method="fdg", beta=0.5)
-    for method, weights, beta in [("ddg", "stash", 1.0), ("fdg", "current", 0.5),
-                                  ("fdg", "stash", 1.0), ("bp", "stash", 1.0)]:
+    for method, weights, beta in [
+        ("ddg", "stash", 1.0),
+        ("fdg", "current", 0.5),
+        ("fdg", "stash", 1.0),
+        ("bp", "stash", 1.0),
+    ]:
         ref = reference(model, 3, method, weights, beta)
         assert max_relative_error(stage_params(state), ref.params) > 100 * RTOL, (method, weights)

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from helpers import batches, build_stages
 
 import dgrad
-from helpers import batches, build_stages
 
 SGD = optax.sgd(0.1)
 
@@ -17,26 +17,32 @@ def make(**kwargs):
     return dgrad.Pipeline(build_stages("mlp", 2), **kwargs)
 
 
-@pytest.mark.parametrize("kwargs,error,match", [
-    (dict(method="pipedream"), ValueError, "Unknown method 'pipedream'.*bp, ddg, fdg"),
-    (dict(method="fdg", beta=0.0), ValueError, r"beta must lie in \(0, 1\]"),
-    (dict(method="fdg", beta=1.5), ValueError, r"beta must lie in \(0, 1\]"),
-    (dict(method="fdg", beta=float("nan")), ValueError, r"beta must lie in \(0, 1\]"),
-    (dict(method="fdg", beta="0.5"), TypeError, "beta must be a real number"),
-    (dict(method="ddg", beta=0.5), ValueError, "part of FDG; use method='fdg'"),
-    (dict(weights="fresh"), ValueError, "Unknown weights policy 'fresh'"),
-    (dict(memory="disk"), ValueError, "Unknown memory policy 'disk'"),
-    (dict(weights="current", memory="residuals"), ValueError, "needs memory='recompute'"),
-    (dict(method="ddg", fused=True), ValueError, "needs method='bp'"),
-    (dict(method="bp", fused=True, devices=jax.devices()[:2]), ValueError, "one device"),
-    (dict(devices=jax.devices()[:1], placement="one_per_device"), ValueError,
-     "needs 2 devices for 2 stages, got 1.*xla_force_host_platform_device_count"),
-    (dict(placement="everywhere"), ValueError, "Unknown placement 'everywhere'"),
-    (dict(placement=[0]), ValueError, "1 device indices for 2 stages"),
-    (dict(placement=[0, 9]), ValueError, "index 9 is not a valid index into 4 devices"),
-    (dict(devices=["gpu0"]), TypeError, "jax.Device"),
-    (dict(optimizer="sgd"), TypeError, "optax.GradientTransformation"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(method="pipedream"), ValueError, "Unknown method 'pipedream'.*bp, ddg, fdg"),
+        (dict(method="fdg", beta=0.0), ValueError, r"beta must lie in \(0, 1\]"),
+        (dict(method="fdg", beta=1.5), ValueError, r"beta must lie in \(0, 1\]"),
+        (dict(method="fdg", beta=float("nan")), ValueError, r"beta must lie in \(0, 1\]"),
+        (dict(method="fdg", beta="0.5"), TypeError, "beta must be a real number"),
+        (dict(method="ddg", beta=0.5), ValueError, "part of FDG; use method='fdg'"),
+        (dict(weights="fresh"), ValueError, "Unknown weights policy 'fresh'"),
+        (dict(memory="disk"), ValueError, "Unknown memory policy 'disk'"),
+        (dict(weights="current", memory="residuals"), ValueError, "needs memory='recompute'"),
+        (dict(method="ddg", fused=True), ValueError, "needs method='bp'"),
+        (dict(method="bp", fused=True, devices=jax.devices()[:2]), ValueError, "one device"),
+        (
+            dict(devices=jax.devices()[:1], placement="one_per_device"),
+            ValueError,
+            "needs 2 devices for 2 stages, got 1.*xla_force_host_platform_device_count",
+        ),
+        (dict(placement="everywhere"), ValueError, "Unknown placement 'everywhere'"),
+        (dict(placement=[0]), ValueError, "1 device indices for 2 stages"),
+        (dict(placement=[0, 9]), ValueError, "index 9 is not a valid index into 4 devices"),
+        (dict(devices=["gpu0"]), TypeError, "jax.Device"),
+        (dict(optimizer="sgd"), TypeError, "optax.GradientTransformation"),
+    ],
+)
 def test_bad_pipeline_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         make(**kwargs)
@@ -54,7 +60,9 @@ def test_batch_must_match_the_one_init_saw():
     data = batches("mlp", 2)
     state = pipe.init(data[0])
     x, y = data[1]
-    with pytest.raises(ValueError, match=r"float32\[5, 6\].*init saw.*float32\[8, 6\].*drop the last partial batch"):
+    with pytest.raises(
+        ValueError, match=r"float32\[5, 6\].*init saw.*float32\[8, 6\].*drop the last partial batch"
+    ):
         pipe.step(state, (x[:5], y[:5]))
     with pytest.raises(ValueError, match=r"float16\[8, 6\].*init saw"):
         pipe.step(state, (x.astype(jnp.float16), y))

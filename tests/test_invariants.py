@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import batches, build_stages, run_pipeline, stage_params, stage_rests
 
 import dgrad
 from dgrad import models
-from helpers import batches, build_stages, run_pipeline, stage_params, stage_rests
 
 
 def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
@@ -20,10 +20,21 @@ def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_one_stage_is_backprop_for_every_method(model):
     _, bp_state, bp_metrics = run_pipeline(model, 1, steps=6, method="bp", fused=True)
-    for method, weights, memory in [("bp", "stash", "residuals"), ("ddg", "stash", "residuals"),
-                                    ("ddg", "current", "recompute"), ("fdg", "stash", "recompute")]:
-        _, state, history = run_pipeline(model, 1, steps=6, method=method, weights=weights,
-                                         memory=memory, beta=0.5 if method == "fdg" else 1.0)
+    for method, weights, memory in [
+        ("bp", "stash", "residuals"),
+        ("ddg", "stash", "residuals"),
+        ("ddg", "current", "recompute"),
+        ("fdg", "stash", "recompute"),
+    ]:
+        _, state, history = run_pipeline(
+            model,
+            1,
+            steps=6,
+            method=method,
+            weights=weights,
+            memory=memory,
+            beta=0.5 if method == "fdg" else 1.0,
+        )
         assert_trees_close(stage_params(state), stage_params(bp_state))
         assert_trees_close(stage_rests(state), stage_rests(bp_state))
         assert [m["batch"] for m in history] == list(range(6))
@@ -33,26 +44,39 @@ def test_one_stage_is_backprop_for_every_method(model):
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_staged_backprop_equals_fused_backprop(model, num_stages):
-    _, fused, _ = run_pipeline(model, num_stages, steps=5, method="bp", fused=True,
-                               devices=jax.devices()[:1])
-    _, staged, _ = run_pipeline(model, num_stages, steps=5, method="bp",
-                                devices=jax.devices()[:num_stages])
+    _, fused, _ = run_pipeline(
+        model, num_stages, steps=5, method="bp", fused=True, devices=jax.devices()[:1]
+    )
+    _, staged, _ = run_pipeline(
+        model, num_stages, steps=5, method="bp", devices=jax.devices()[:num_stages]
+    )
     assert_trees_close(stage_params(staged), stage_params(fused), rtol=1e-5, atol=1e-6)
     assert_trees_close(stage_rests(staged), stage_rests(fused), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("method,weights,memory", [("ddg", "stash", "residuals"),
-                                                   ("fdg", "current", "recompute")])
+@pytest.mark.parametrize(
+    "method,weights,memory", [("ddg", "stash", "residuals"), ("fdg", "current", "recompute")]
+)
 def test_device_mapping_does_not_change_numbers(method, weights, memory):
     devices = jax.devices()
-    layouts = [dict(devices=devices[:1]), dict(devices=devices[:4]),
-               dict(devices=devices[:2]),  # two stages per device
-               dict(devices=devices, placement=[3, 2, 1, 0]),
-               dict(devices=devices, placement=[0, 1, 0, 1])]
+    layouts = [
+        dict(devices=devices[:1]),
+        dict(devices=devices[:4]),
+        dict(devices=devices[:2]),  # two stages per device
+        dict(devices=devices, placement=[3, 2, 1, 0]),
+        dict(devices=devices, placement=[0, 1, 0, 1]),
+    ]
     results = []
     for layout in layouts:
-        pipe, state, _ = run_pipeline("cnn", 4, method=method, weights=weights, memory=memory,
-                                      beta=0.7 if method == "fdg" else 1.0, **layout)
+        pipe, state, _ = run_pipeline(
+            "cnn",
+            4,
+            method=method,
+            weights=weights,
+            memory=memory,
+            beta=0.7 if method == "fdg" else 1.0,
+            **layout,
+        )
         for device, stage in zip(pipe.devices, state.stages):
             assert all(leaf.devices() == {device} for leaf in jax.tree.leaves(stage))
         results.append((stage_params(state), stage_rests(state)))
@@ -63,8 +87,13 @@ def test_device_mapping_does_not_change_numbers(method, weights, memory):
 def _marked_stream(num_batches, marked, width=5):
     """Batches whose loss weight is zero except for batch `marked`."""
     rng = np.random.default_rng(1)
-    return [(jnp.asarray(rng.normal(size=(4, width)), jnp.float32),
-             jnp.full((4,), 1.0 if t == marked else 0.0, jnp.float32)) for t in range(num_batches)]
+    return [
+        (
+            jnp.asarray(rng.normal(size=(4, width)), jnp.float32),
+            jnp.full((4,), 1.0 if t == marked else 0.0, jnp.float32),
+        )
+        for t in range(num_batches)
+    ]
 
 
 def _weighted_sum_loss(outputs, weights):
@@ -72,9 +101,15 @@ def _weighted_sum_loss(outputs, weights):
 
 
 def _steps_where_params_change(num_stages, method, stream, optimizer, **kwargs):
-    stages = models.mlp([5, 7, 7, 7, 7, 3][:num_stages + 1] + [3], num_stages=num_stages, rngs=2)
-    pipe = dgrad.Pipeline(stages, method=method, optimizer=optimizer,
-                          loss_fn=_weighted_sum_loss, devices=jax.devices()[:num_stages], **kwargs)
+    stages = models.mlp([5, 7, 7, 7, 7, 3][: num_stages + 1] + [3], num_stages=num_stages, rngs=2)
+    pipe = dgrad.Pipeline(
+        stages,
+        method=method,
+        optimizer=optimizer,
+        loss_fn=_weighted_sum_loss,
+        devices=jax.devices()[:num_stages],
+        **kwargs,
+    )
     state = pipe.init(stream[0])
     changed = [[] for _ in range(num_stages)]
     for t, batch in enumerate(stream):
@@ -94,10 +129,12 @@ def test_each_stage_applies_the_gradient_of_the_papers_batch(num_stages, method,
     DDG K-1-k steps after the batch entered, FDG 2(K-1-k)+k steps after (its forward at k)."""
     marked, K = 2, num_stages
     stream = _marked_stream(2 * K + 4, marked)
-    changed = _steps_where_params_change(K, method, stream, optax.sgd(0.1), weights=weights,
-                                         memory=memory)
-    delay = {"bp": lambda k: 0, "ddg": lambda k: K - 1 - k,
-             "fdg": lambda k: k + 2 * (K - 1 - k)}[method]
+    changed = _steps_where_params_change(
+        K, method, stream, optax.sgd(0.1), weights=weights, memory=memory
+    )
+    delay = {"bp": lambda k: 0, "ddg": lambda k: K - 1 - k, "fdg": lambda k: k + 2 * (K - 1 - k)}[
+        method
+    ]
     assert changed == [[marked + delay(k)] for k in range(K)]
 
 
@@ -107,7 +144,8 @@ def test_no_update_during_fill(method):
     K = 3
     stream = _marked_stream(9, marked=-1)
     changed = _steps_where_params_change(
-        K, method, stream, optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1)))
+        K, method, stream, optax.chain(optax.add_decayed_weights(0.1), optax.sgd(0.1))
+    )
     first = {"ddg": lambda k: K - 1 - k, "fdg": lambda k: 2 * K - 2 - k}[method]
     assert changed == [list(range(first(k), 9)) for k in range(K)]
 
@@ -116,20 +154,36 @@ def test_learning_rate_schedules_count_each_stages_own_updates():
     schedule = optax.piecewise_constant_schedule(0.1, {3: 0.0})
     K, stream = 3, _marked_stream(12, marked=-1)
     changed = _steps_where_params_change(
-        K, "fdg", stream, optax.chain(optax.add_decayed_weights(0.1), optax.sgd(schedule)))
+        K, "fdg", stream, optax.chain(optax.add_decayed_weights(0.1), optax.sgd(schedule))
+    )
     # Three updates each, starting when the stage's pipeline fill ends.
     assert changed == [list(range(2 * K - 2 - k, 2 * K + 1 - k)) for k in range(K)]
 
 
-@pytest.mark.parametrize("method,weights,memory,fused", [
-    ("bp", "stash", "residuals", True), ("bp", "stash", "recompute", False),
-    ("ddg", "stash", "residuals", False), ("ddg", "current", "recompute", False),
-    ("fdg", "stash", "recompute", False), ("fdg", "stash", "residuals", False)])
+@pytest.mark.parametrize(
+    "method,weights,memory,fused",
+    [
+        ("bp", "stash", "residuals", True),
+        ("bp", "stash", "recompute", False),
+        ("ddg", "stash", "residuals", False),
+        ("ddg", "current", "recompute", False),
+        ("fdg", "stash", "recompute", False),
+        ("fdg", "stash", "residuals", False),
+    ],
+)
 def test_each_stage_function_compiles_once(method, weights, memory, fused):
     K = 1 if fused else 3
     devices = jax.devices()[:1] if fused else jax.devices()[:K]
-    pipe, state, _ = run_pipeline("cnn", K, steps=3 * K + 2, method=method, weights=weights,
-                                  memory=memory, fused=fused, devices=devices)
+    pipe, state, _ = run_pipeline(
+        "cnn",
+        K,
+        steps=3 * K + 2,
+        method=method,
+        weights=weights,
+        memory=memory,
+        fused=fused,
+        devices=devices,
+    )
     counts = _compile_counts(pipe)
     assert max(counts.values()) == 1, counts
     for batch in batches("cnn", 2, seed=5):
@@ -138,8 +192,11 @@ def test_each_stage_function_compiles_once(method, weights, memory, fused):
 
 
 def _compile_counts(pipe):
-    counts = {(k, name): fn._cache_size()
-              for k, stage in enumerate(pipe.stages) for name, fn in stage.jitted().items()}
+    counts = {
+        (k, name): fn._cache_size()
+        for k, stage in enumerate(pipe.stages)
+        for name, fn in stage.jitted().items()
+    }
     if pipe.fused:
         counts["fused"] = pipe._fused_step._cache_size()
     return counts

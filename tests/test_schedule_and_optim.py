@@ -1,4 +1,4 @@
-"""The timetable against DESIGN.md's table, and the shrinking transform by hand."""
+"""The timetable against the papers' table, and the shrinking transform by hand."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +14,11 @@ def test_schedule_matches_the_design_table(K):
     t = 20
     for k in range(K):
         bp, ddg, fdg = (Schedule(m, K) for m in ("bp", "ddg", "fdg"))
-        assert (bp.forward_batch(k, t), bp.backward_batch(k, t), bp.weight_staleness(k)) == (t, t, 0)
+        assert (bp.forward_batch(k, t), bp.backward_batch(k, t), bp.weight_staleness(k)) == (
+            t,
+            t,
+            0,
+        )
         assert (ddg.forward_batch(k, t), ddg.backward_batch(k, t)) == (t, t - (K - 1 - k))
         assert ddg.weight_staleness(k) == K - 1 - k
         assert (fdg.forward_batch(k, t), fdg.backward_batch(k, t)) == (t - k, t - 2 * K + 2 + k)
@@ -26,7 +30,10 @@ def test_schedule_matches_the_design_table(K):
 def test_fdg_example_from_the_design_note():
     s, t = Schedule("fdg", 3), 10
     assert [(s.backward_batch(k, t), s.forward_batch(k, t)) for k in range(3)] == [
-        (t - 4, t), (t - 3, t - 1), (t - 2, t - 2)]
+        (t - 4, t),
+        (t - 3, t - 1),
+        (t - 2, t - 2),
+    ]
 
 
 def test_fill_has_no_batches():

@@ -2,7 +2,7 @@
 
 Both are chains of blocks `[stem, group1..., group2..., group3..., head]`
 (3n + 2 blocks), cut into stages either where the DDG/FDG papers cut them
-(`split="authors"`, see DESIGN.md) or to balance the stages' multiply-adds.
+(`split="authors"`) or to balance the stages' multiply-adds.
 Inputs are NHWC images.
 
 >>> stages = cifar_resnet(depth=56, num_stages=2)
@@ -26,8 +26,16 @@ _PAD = ((1, 1), (1, 1))
 
 def _conv(in_ch, out_ch, rngs, *, stride=1, kernel=3):
     padding = _PAD if kernel == 3 else "VALID"
-    return nnx.Conv(in_ch, out_ch, (kernel, kernel), strides=stride, padding=padding,
-                    use_bias=False, kernel_init=he_normal, rngs=rngs)
+    return nnx.Conv(
+        in_ch,
+        out_ch,
+        (kernel, kernel),
+        strides=stride,
+        padding=padding,
+        use_bias=False,
+        kernel_init=he_normal,
+        rngs=rngs,
+    )
 
 
 def _bn(channels, rngs):
@@ -58,7 +66,7 @@ class BasicBlock(nnx.Module):
     def __call__(self, x):
         y = jax.nn.relu(self.bn1(self.conv1(x)))
         y = self.bn2(self.conv2(y))
-        shortcut = x[:, ::self.stride, ::self.stride, :]
+        shortcut = x[:, :: self.stride, :: self.stride, :]
         if self.pad:
             half = self.pad // 2
             shortcut = jnp.pad(shortcut, ((0, 0), (0, 0), (0, 0), (half, self.pad - half)))
@@ -71,8 +79,11 @@ class WideBlock(nnx.Module):
     def __init__(self, in_ch, out_ch, stride, *, rngs):
         self.bn1, self.conv1 = _bn(in_ch, rngs), _conv(in_ch, out_ch, rngs, stride=stride)
         self.bn2, self.conv2 = _bn(out_ch, rngs), _conv(out_ch, out_ch, rngs)
-        self.shortcut = (None if in_ch == out_ch and stride == 1
-                         else _conv(in_ch, out_ch, rngs, stride=stride, kernel=1))
+        self.shortcut = (
+            None
+            if in_ch == out_ch and stride == 1
+            else _conv(in_ch, out_ch, rngs, stride=stride, kernel=1)
+        )
 
     def __call__(self, x):
         a = jax.nn.relu(self.bn1(x))
@@ -147,7 +158,9 @@ def cifar_resnet(
       rngs: an `nnx.Rngs`, key or seed.
     """
     if not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
-        raise ValueError(f"A CIFAR ResNet has depth 6n+2 with n >= 1 (20, 56, 110, ...), got {depth}.")
+        raise ValueError(
+            f"A CIFAR ResNet has depth 6n+2 with n >= 1 (20, 56, 110, ...), got {depth}."
+        )
     n = (depth - 2) // 6
     rngs = as_rngs(rngs)
     widths = [width, width, 2 * width, 4 * width]
@@ -156,8 +169,9 @@ def cifar_resnet(
     head = Head(widths[-1], num_classes, rngs=rngs)
     blocks = [stem, *blocks, head]
     costs = [9 * in_channels * width, *costs, widths[-1] * num_classes / 64]
-    cuts = choose_cuts(split, num_stages, costs, _resnet_authors_cuts(depth, n),
-                       model=f"ResNet-{depth}")
+    cuts = choose_cuts(
+        split, num_stages, costs, _resnet_authors_cuts(depth, n), model=f"ResNet-{depth}"
+    )
     return stages_from_blocks(blocks, cuts)
 
 
@@ -179,17 +193,23 @@ def wide_resnet(
     [4, 4]
     """
     if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
-        raise ValueError(f"A Wide ResNet has depth 6n+4 with n >= 1 (16, 28, 40, ...), got {depth}.")
+        raise ValueError(
+            f"A Wide ResNet has depth 6n+4 with n >= 1 (16, 28, 40, ...), got {depth}."
+        )
     if not isinstance(widen, int) or widen < 1:
         raise ValueError(f"widen must be a positive integer, got {widen!r}.")
     n = (depth - 4) // 6
     rngs = as_rngs(rngs)
     widths = [16, 16 * widen, 32 * widen, 64 * widen]
     blocks, costs = _chain(n, widths, WideBlock, rngs)
-    blocks = [Stem(in_channels, 16, pre_activation=True, rngs=rngs), *blocks,
-              Head(widths[-1], num_classes, pre_activation=True, rngs=rngs)]
+    blocks = [
+        Stem(in_channels, 16, pre_activation=True, rngs=rngs),
+        *blocks,
+        Head(widths[-1], num_classes, pre_activation=True, rngs=rngs),
+    ]
     costs = [9 * in_channels * 16, *costs, widths[-1] * num_classes / 64]
     c = lambda g, i: _cut(n, g, i)  # noqa: E731
     authors = {2: [c(2, 2)], 4: [c(1, 3), c(2, 2), c(3, 1)]} if (depth, widen) == (28, 10) else {}
-    return stages_from_blocks(blocks, choose_cuts(split, num_stages, costs, authors,
-                                                  model=f"WRN-{depth}-{widen}"))
+    return stages_from_blocks(
+        blocks, choose_cuts(split, num_stages, costs, authors, model=f"WRN-{depth}-{widen}")
+    )

@@ -60,10 +60,14 @@ def check_num_stages(num_stages: int, num_blocks: int, model: str = "This model"
 
 def check_cuts(cuts: Sequence[int], num_blocks: int) -> list[int]:
     cuts = list(cuts)
-    if any(not isinstance(c, int) for c in cuts) or cuts != sorted(set(cuts)) or (
-            cuts and not (0 < cuts[0] and cuts[-1] < num_blocks)):
+    if (
+        any(not isinstance(c, int) for c in cuts)
+        or cuts != sorted(set(cuts))
+        or (cuts and not (0 < cuts[0] and cuts[-1] < num_blocks))
+    ):
         raise ValueError(
-            f"cuts must be strictly increasing block indices in 1..{num_blocks - 1}, got {cuts}.")
+            f"cuts must be strictly increasing block indices in 1..{num_blocks - 1}, got {cuts}."
+        )
     return cuts
 
 
@@ -90,16 +94,20 @@ def choose_cuts(
         if split == "authors" and num_stages not in authors and num_stages > 1:
             raise ValueError(
                 f"The papers give no split of {model} into {num_stages} stages (they give "
-                f"K in {sorted(authors) or 'none'}); use split='balanced' or explicit cuts.")
+                f"K in {sorted(authors) or 'none'}); use split='balanced' or explicit cuts."
+            )
         if split in ("auto", "authors") and num_stages in authors:
             return list(authors[num_stages])
         if split in ("auto", "authors", "balanced"):
             return balanced_cuts(costs, num_stages)
         raise ValueError(
-            f"Unknown split {split!r}; use 'auto', 'authors', 'balanced' or a list of cut indices.")
+            f"Unknown split {split!r}; use 'auto', 'authors', 'balanced' or a list of cut indices."
+        )
     cuts = check_cuts(split, len(costs))
     if len(cuts) != num_stages - 1:
-        raise ValueError(f"{num_stages} stages need {num_stages - 1} cuts, got {len(cuts)}: {cuts}.")
+        raise ValueError(
+            f"{num_stages} stages need {num_stages - 1} cuts, got {len(cuts)}: {cuts}."
+        )
     return cuts
 
 
