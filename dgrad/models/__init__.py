@@ -1,13 +1,21 @@
-"""Models as lists of NNX stages, with the papers' split points and balanced splits."""
+"""Models as lists of NNX stages, with the papers' split points and balanced splits.
 
-from dgrad.models.mlp import mlp
-from dgrad.models.resnet import cifar_resnet, wide_resnet
-from dgrad.models.split import balanced_cuts, choose_cuts, stages_from_blocks
+Each model also has a `*_blocks` builder that returns the chain of blocks
+(`Blocks`) before it is cut, for custom or profiled splits.
+"""
+
+from dgrad.models.mlp import mlp, mlp_blocks
+from dgrad.models.resnet import cifar_resnet, cifar_resnet_blocks, wide_resnet, wide_resnet_blocks
+from dgrad.models.split import Blocks, balanced_cuts, choose_cuts, stages_from_blocks
 
 __all__ = [
+    "Blocks",
     "mlp",
+    "mlp_blocks",
     "cifar_resnet",
+    "cifar_resnet_blocks",
     "wide_resnet",
+    "wide_resnet_blocks",
     "balanced_cuts",
     "choose_cuts",
     "stages_from_blocks",

@@ -8,7 +8,7 @@ import jax
 from flax import nnx
 
 from dgrad.models.common import as_rngs
-from dgrad.models.split import choose_cuts, stages_from_blocks
+from dgrad.models.split import Blocks
 
 
 class Dense(nnx.Module):
@@ -39,6 +39,11 @@ def mlp(
     >>> [len(s.layers) for s in stages]
     [1, 2]
     """
+    return mlp_blocks(features, rngs=rngs).stages(num_stages, split)
+
+
+def mlp_blocks(features: Sequence[int], *, rngs=0) -> Blocks:
+    """The MLP as a chain of blocks, one per linear layer."""
     features = list(features)
     if len(features) < 2 or any(not isinstance(f, int) or f < 1 for f in features):
         raise ValueError(f"features must list at least two positive layer sizes, got {features}.")
@@ -46,8 +51,7 @@ def mlp(
     sizes = list(zip(features, features[1:]))
     blocks = [Dense(i, o, activate=n < len(sizes) - 1, rngs=rngs) for n, (i, o) in enumerate(sizes)]
     blocks[0] = nnx.Sequential(Flatten(), blocks[0])
-    cuts = choose_cuts(split, num_stages, [i * o for i, o in sizes], model=f"The MLP {features}")
-    return stages_from_blocks(blocks, cuts)
+    return Blocks(blocks, [i * o for i, o in sizes], name=f"The MLP {features}")
 
 
 class Flatten(nnx.Module):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dgrad.models.common import as_rngs, he_normal
-from dgrad.models.split import choose_cuts, stages_from_blocks
+from dgrad.models.split import Blocks
 
 _PAD = ((1, 1), (1, 1))
 
@@ -157,6 +157,16 @@ def cifar_resnet(
         ResNet-56 (K = 2, 3, 4), ResNet-110 (K = 2, 4) and ResNet-1202 (K = 4).
       rngs: an `nnx.Rngs`, key or seed.
     """
+    blocks = cifar_resnet_blocks(
+        depth, num_classes, width=width, in_channels=in_channels, rngs=rngs
+    )
+    return blocks.stages(num_stages, split)
+
+
+def cifar_resnet_blocks(
+    depth: int = 56, num_classes: int = 10, *, width: int = 16, in_channels: int = 3, rngs=0
+) -> Blocks:
+    """The CIFAR ResNet-`depth` as a chain of blocks `[stem, L1.., L2.., L3.., head]`."""
     if not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
         raise ValueError(
             f"A CIFAR ResNet has depth 6n+2 with n >= 1 (20, 56, 110, ...), got {depth}."
@@ -167,12 +177,8 @@ def cifar_resnet(
     stem = Stem(in_channels, width, rngs=rngs)
     blocks, costs = _chain(n, widths, BasicBlock, rngs)
     head = Head(widths[-1], num_classes, rngs=rngs)
-    blocks = [stem, *blocks, head]
     costs = [9 * in_channels * width, *costs, widths[-1] * num_classes / 64]
-    cuts = choose_cuts(
-        split, num_stages, costs, _resnet_authors_cuts(depth, n), model=f"ResNet-{depth}"
-    )
-    return stages_from_blocks(blocks, cuts)
+    return Blocks([stem, *blocks, head], costs, _resnet_authors_cuts(depth, n), f"ResNet-{depth}")
 
 
 def wide_resnet(
@@ -192,6 +198,14 @@ def wide_resnet(
     >>> [len(s.layers) for s in wide_resnet(16, 1, num_stages=2, split="balanced")]
     [4, 4]
     """
+    blocks = wide_resnet_blocks(depth, widen, num_classes, in_channels=in_channels, rngs=rngs)
+    return blocks.stages(num_stages, split)
+
+
+def wide_resnet_blocks(
+    depth: int = 28, widen: int = 10, num_classes: int = 10, *, in_channels: int = 3, rngs=0
+) -> Blocks:
+    """WRN-`depth`-`widen` as a chain of blocks `[stem, L1.., L2.., L3.., head]`."""
     if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
         raise ValueError(
             f"A Wide ResNet has depth 6n+4 with n >= 1 (16, 28, 40, ...), got {depth}."
@@ -210,6 +224,4 @@ def wide_resnet(
     costs = [9 * in_channels * 16, *costs, widths[-1] * num_classes / 64]
     c = lambda g, i: _cut(n, g, i)  # noqa: E731
     authors = {2: [c(2, 2)], 4: [c(1, 3), c(2, 2), c(3, 1)]} if (depth, widen) == (28, 10) else {}
-    return stages_from_blocks(
-        blocks, choose_cuts(split, num_stages, costs, authors, model=f"WRN-{depth}-{widen}")
-    )
+    return Blocks(blocks, costs, authors, f"WRN-{depth}-{widen}")

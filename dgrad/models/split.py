@@ -12,6 +12,7 @@ blocks that start stages 1..K-1.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 from flax import nnx
@@ -115,3 +116,26 @@ def stages_from_blocks(blocks: Sequence[nnx.Module], cuts: Sequence[int]) -> lis
     """Groups `blocks` into `nnx.Sequential` stages that start at `cuts`."""
     bounds = [0, *check_cuts(cuts, len(blocks)), len(blocks)]
     return [nnx.Sequential(*blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclasses.dataclass
+class Blocks:
+    """A model as a chain of blocks, ready to be cut into stages.
+
+    Attributes:
+      modules: the blocks, each an NNX module whose output feeds the next.
+      costs: an estimate of each block's work (multiply-adds), for balancing;
+        `dgrad.balance.profile_blocks` measures real times instead.
+      authors: the papers' cut positions by number of stages.
+      name: the model's name, for error messages.
+    """
+
+    modules: list
+    costs: list[float]
+    authors: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    name: str = "This model"
+
+    def stages(self, num_stages: int, split: str | Sequence[int] = "auto") -> list[nnx.Sequential]:
+        """Cuts the chain into `num_stages` stages, see `choose_cuts` for `split`."""
+        cuts = choose_cuts(split, num_stages, self.costs, self.authors, model=self.name)
+        return stages_from_blocks(self.modules, cuts)
