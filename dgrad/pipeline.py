@@ -197,7 +197,7 @@ class Pipeline:
                 self._stage_optimizer(optimizer, k),
                 first=k == 0,
                 loss_fn=loss_fn if k == self.num_stages - 1 else None,
-                donate_params=not keeps_params or k == self.num_stages - 1,
+                donate_params=not keeps_params,
             )
             for k, module in enumerate(stages)
         ]
@@ -241,7 +241,7 @@ class Pipeline:
             try:
                 if k == self.num_stages - 1:
                     jax.eval_shape(
-                        fns.loss_and_backward, fns.params, fns.rest, shape, _shape_dtype(labels)
+                        fns._loss_and_backward, fns.params, fns.rest, shape, _shape_dtype(labels)
                     )
                 else:
                     shape = jax.eval_shape(fns.forward, fns.params, fns.rest, shape)[0]
@@ -330,13 +330,13 @@ class Pipeline:
         return stage.replace(params=params, opt_state=opt_state, pending=pending), input_cotangent
 
     def _loss_and_update(self, state: PipelineState, stage: StageState, x, labels, batch: int):
-        """The last stage: loss, backward and update in one go."""
+        """The last stage: loss, backward and update in one dispatch."""
         k = self.num_stages - 1
         fns = self.stages[k]
-        grads, cotangent, rest, metrics = fns.loss_and_backward(stage.params, stage.rest, x, labels)
-        params, opt_state = fns.update(stage.params, stage.opt_state, grads)
+        params, opt_state, rest, cotangent, metrics, finite = fns.loss_step(
+            stage.params, stage.rest, stage.opt_state, x, labels, state.finite
+        )
         stage = stage.replace(params=params, rest=rest, opt_state=opt_state)
-        finite = state.finite & jnp.isfinite(metrics["loss"])
         sent = None if k == 0 else Message(batch, self._put(cotangent, k - 1))
         return stage, sent, finite, {**metrics, "batch": batch}
 

@@ -43,7 +43,7 @@ class StageFunctions:
       module: the stage, an initialised NNX module. It is not modified.
       optimizer: this stage's optax transformation.
       first: whether this is stage 0 (its input needs no cotangent).
-      loss_fn: set on the last stage; `loss_and_backward` uses it.
+      loss_fn: set on the last stage; `loss_step` uses it.
       donate_params: let `update` reuse the old parameter buffers. Only safe
         when no stashed copy of the parameters outlives the update.
 
@@ -77,7 +77,8 @@ class StageFunctions:
         self.forward_keep = jax.jit(self._forward_keep)
         self.backward_kept = jax.jit(self._backward_kept)
         self.backward_recompute = jax.jit(self._backward_recompute)
-        self.loss_and_backward = jax.jit(self._loss_and_backward)
+        # The last stage's parameters are never stashed: always donate them.
+        self.loss_step = jax.jit(self._loss_step, donate_argnums=(0, 2))
         self.predict = jax.jit(self._predict)
         self.update = jax.jit(
             self.apply_optimizer, donate_argnums=(0, 1) if donate_params else (1,)
@@ -90,7 +91,7 @@ class StageFunctions:
             "forward_keep",
             "backward_kept",
             "backward_recompute",
-            "loss_and_backward",
+            "loss_step",
             "predict",
             "update",
         )
@@ -151,6 +152,18 @@ class StageFunctions:
         )(params, x)
         grads, cotangent = (grads, None) if self.first else grads
         return grads, cotangent, new_rest, {"loss": value, **metrics}
+
+    def _loss_step(self, params, rest, opt_state, x, labels, finite):
+        """Loss, backward and update of the last stage in one function.
+
+        Returns the new params, optimizer state and rest, the input cotangent
+        (None on a single stage), the metrics, and `finite` and-ed with whether
+        this loss is finite.
+        """
+        grads, cotangent, rest, metrics = self._loss_and_backward(params, rest, x, labels)
+        params, opt_state = self.apply_optimizer(params, opt_state, grads)
+        finite = finite & jnp.isfinite(metrics["loss"])
+        return params, opt_state, rest, cotangent, metrics, finite
 
     def _predict(self, params, rest, x):
         return self.apply(params, rest, x, train=False)[0]

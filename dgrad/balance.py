@@ -1,0 +1,72 @@
+"""Measure blocks and cut a model into stages of equal time.
+
+A pipeline runs at the pace of its slowest stage, so the useful split puts
+equal *measured* time on each stage. `profile_blocks` times each block's
+forward + backward on the target device; `balanced_cuts` (exact min-max over
+contiguous blocks) turns the times into cut positions; `speedup_ceiling` says
+what the split can give at best.
+
+>>> from dgrad import models
+>>> blocks = models.mlp_blocks([16, 64, 64, 64, 4])
+>>> times = profile_blocks(blocks.modules, jnp.ones((8, 16)), repeats=2)
+>>> len(times), all(t > 0 for t in times)
+(4, True)
+>>> speedup_ceiling([1.0, 1.0, 2.0], cuts=[2])
+2.0
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dgrad.models.split import balanced_cuts, check_cuts
+from dgrad.stage import StageFunctions
+
+
+def profile_blocks(
+    blocks: Sequence[nnx.Module],
+    example_input,
+    *,
+    device: jax.Device | None = None,
+    repeats: int = 5,
+) -> list[float]:
+    """Median seconds of each block's forward + backward, fed the previous block's output."""
+    device = device or jax.devices()[0]
+    x = jax.device_put(example_input, device)
+    times = []
+    for index, block in enumerate(blocks):
+        fns = StageFunctions(block, optax.identity(), first=index == 0)
+        params, rest = jax.device_put((fns.params, fns.rest), device)
+        y, _ = fns.forward(params, rest, x)
+        cotangent = jnp.ones_like(y)
+        jax.block_until_ready(fns.backward_recompute(params, rest, x, cotangent))
+        samples = []
+        for _ in range(max(1, repeats)):
+            start = time.perf_counter()
+            jax.block_until_ready(fns.backward_recompute(params, rest, x, cotangent))
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples))
+        x = y
+    return times
+
+
+def stage_costs(costs: Sequence[float], cuts: Sequence[int]) -> list[float]:
+    """The summed cost of each stage that `cuts` makes."""
+    bounds = [0, *check_cuts(cuts, len(costs)), len(costs)]
+    return [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
+
+
+def speedup_ceiling(costs: Sequence[float], cuts: Sequence[int]) -> float:
+    """Total cost over the slowest stage's: the most a pipeline of these stages can gain."""
+    per_stage = stage_costs(costs, cuts)
+    return sum(per_stage) / max(per_stage)
+
+
+__all__ = ["profile_blocks", "stage_costs", "speedup_ceiling", "balanced_cuts"]
