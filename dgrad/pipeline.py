@@ -21,6 +21,7 @@ and nothing waits for the host.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -202,8 +203,10 @@ class Pipeline:
             for k, module in enumerate(stages)
         ]
         self._fused_step = jax.jit(self._fused_step_fn, donate_argnums=(0, 2)) if fused else None
+        self._fused_step_undonated = jax.jit(self._fused_step_fn)  # for tracing
         self._loss = jax.jit(loss_fn)
         self._batch_spec = None
+        self._timeline = None
 
     def _stage_optimizer(self, optimizer: Optimizer, k: int) -> optax.GradientTransformation:
         tx = (
@@ -292,24 +295,45 @@ class Pipeline:
             state, inputs, labels
         )
 
+    def _run(self, k, name, batch, *args):
+        """Calls stage k's jitted `name`, and shows it to the timeline when tracing."""
+        fns = self.stages[k]
+        if self._timeline is None:
+            return getattr(fns, name)(*args)
+        fn = fns.undonated(name) if name in fns.DONATING else getattr(fns, name)
+        outputs = fn(*args)
+        self._timeline.record(self.devices[k], k, name, batch, outputs)
+        return outputs
+
+    @contextlib.contextmanager
+    def trace(self, timeline):
+        """Records every stage function run inside the block into `timeline`.
+
+        See `dgrad.timeline.Timeline`; the timeline is closed when the block ends.
+        """
+        self._timeline = timeline
+        try:
+            yield timeline
+        finally:
+            self._timeline = None
+            timeline.close()
+
     def _put(self, value, k):
         return jax.device_put(value, self.devices[k])
 
     def _forward(self, k, stage: StageState, x, batch: int):
         """Stage k forwards `x`; returns its output and the stage with the record kept."""
-        fns = self.stages[k]
         if self.memory == "residuals":
-            y, rest, residuals = fns.forward_keep(stage.params, stage.rest, x)
+            y, rest, residuals = self._run(k, "forward_keep", batch, stage.params, stage.rest, x)
             record = Pending(batch, residuals=residuals)
         else:
-            y, rest = fns.forward(stage.params, stage.rest, x)
+            y, rest = self._run(k, "forward", batch, stage.params, stage.rest, x)
             stashed = (stage.params, stage.rest) if self.weights == "stash" else (None, None)
             record = Pending(batch, inputs=x, params=stashed[0], rest=stashed[1])
         return y, stage.replace(rest=rest, pending=stage.pending + (record,))
 
     def _backward_and_update(self, k, stage: StageState, cotangent: Message):
         """Stage k back-propagates its oldest record and updates; returns the input cotangent."""
-        fns = self.stages[k]
         record, pending = stage.pending[0], stage.pending[1:]
         if record.batch != cotangent.batch:
             raise AssertionError(
@@ -317,24 +341,36 @@ class Pipeline:
                 f"{cotangent.batch}; the pipeline state is corrupt"
             )
         if record.residuals is not None:
-            grads, input_cotangent = fns.backward_kept(record.residuals, cotangent.value)
-        elif record.params is not None:
-            grads, input_cotangent = fns.backward_recompute(
-                record.params, record.rest, record.inputs, cotangent.value
+            grads, input_cotangent = self._run(
+                k, "backward_kept", record.batch, record.residuals, cotangent.value
             )
         else:
-            grads, input_cotangent = fns.backward_recompute(
-                stage.params, stage.rest, record.inputs, cotangent.value
+            params, rest = (
+                (record.params, record.rest)
+                if record.params is not None
+                else (stage.params, stage.rest)
             )
-        params, opt_state = fns.update(stage.params, stage.opt_state, grads)
+            grads, input_cotangent = self._run(
+                k, "backward_recompute", record.batch, params, rest, record.inputs, cotangent.value
+            )
+        params, opt_state = self._run(
+            k, "update", record.batch, stage.params, stage.opt_state, grads
+        )
         return stage.replace(params=params, opt_state=opt_state, pending=pending), input_cotangent
 
     def _loss_and_update(self, state: PipelineState, stage: StageState, x, labels, batch: int):
         """The last stage: loss, backward and update in one dispatch."""
         k = self.num_stages - 1
-        fns = self.stages[k]
-        params, opt_state, rest, cotangent, metrics, finite = fns.loss_step(
-            stage.params, stage.rest, stage.opt_state, x, labels, state.finite
+        params, opt_state, rest, cotangent, metrics, finite = self._run(
+            k,
+            "loss_step",
+            batch,
+            stage.params,
+            stage.rest,
+            stage.opt_state,
+            x,
+            labels,
+            state.finite,
         )
         stage = stage.replace(params=params, rest=rest, opt_state=opt_state)
         sent = None if k == 0 else Message(batch, self._put(cotangent, k - 1))
@@ -429,13 +465,21 @@ class Pipeline:
 
     def _step_fused(self, state, x, labels):
         stages = state.stages
-        params, rests, opt_states, metrics = self._fused_step(
+        fused_step = self._fused_step
+        if self._timeline is not None:
+            fused_step = self._fused_step_undonated = getattr(
+                self, "_fused_step_undonated", None
+            ) or jax.jit(self._fused_step_fn)
+        args = (
             [s.params for s in stages],
             [s.rest for s in stages],
             [s.opt_state for s in stages],
             x,
             labels,
         )
+        params, rests, opt_states, metrics = outputs = fused_step(*args)
+        if self._timeline is not None:
+            self._timeline.record(self.devices[0], 0, "fused_step", state.step, outputs)
         stages = tuple(StageState(p, r, o) for p, r, o in zip(params, rests, opt_states))
         finite = state.finite & jnp.isfinite(metrics["loss"])
         return (

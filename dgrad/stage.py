@@ -80,6 +80,7 @@ class StageFunctions:
         # The last stage's parameters are never stashed: always donate them.
         self.loss_step = jax.jit(self._loss_step, donate_argnums=(0, 2))
         self.predict = jax.jit(self._predict)
+        self._undonated = {}
         self.update = jax.jit(
             self.apply_optimizer, donate_argnums=(0, 1) if donate_params else (1,)
         )
@@ -96,6 +97,15 @@ class StageFunctions:
             "update",
         )
         return {name: getattr(self, name) for name in names}
+
+    DONATING = ("update", "loss_step")
+
+    def undonated(self, name: str):
+        """A jitted copy of donating function `name` that donates nothing (for tracing)."""
+        if name not in self._undonated:
+            pure = {"update": self.apply_optimizer, "loss_step": self._loss_step}[name]
+            self._undonated[name] = jax.jit(pure)
+        return self._undonated[name]
 
     # Pure functions (also used un-jitted by the fused BP step).
 

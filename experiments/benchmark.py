@@ -4,6 +4,8 @@ Every configuration is built and warmed up (compiled, pipeline filled) first;
 then the timed windows go round-robin over the configurations, so each round
 compares them under the same machine load. The table gives medians and
 [min-max] over rounds; ratios are per round against fused BP on one device.
+"cores busy" is the process's CPU time over wall time; "device busy" comes from
+one extra traced window per configuration (`dgrad.timeline`).
 
     python -m experiments.benchmark                       # ResNet-20, batch 64
     python -m experiments.benchmark --model resnet56 --batch-size 128 --stages 1,2,4
@@ -56,6 +58,11 @@ def parse_args(argv=None):
         action="store_true",
         help="also time FDG's other weight/memory policies at the largest K",
     )
+    parser.add_argument(
+        "--timeline",
+        metavar="DIR",
+        help="write a Gantt chart (PNG) and a Perfetto trace (JSON) of each configuration",
+    )
     args = parser.parse_args(argv)
     if args.stages is not None:
         args.stages = sorted({int(k) for k in args.stages.split(",")})
@@ -76,6 +83,7 @@ def main(argv=None):
 
     import dgrad
     from dgrad import balance, models
+    from dgrad.timeline import Timeline
 
     devices = jax.devices()
     on_cpu = devices[0].platform == "cpu"
@@ -173,10 +181,27 @@ def main(argv=None):
             run["host"].append(1e3 * dispatched / args.steps)
             run["busy"].append((time.process_time() - cpu) / wall)
 
+    # One more window per configuration, traced: when each device was busy.
+    for run in runs:
+        for timeline, steps in ((Timeline(), 2), (Timeline(), args.steps)):  # warm-up, then real
+            with run["pipe"].trace(timeline):
+                for _ in range(steps):
+                    run["state"], _ = run["pipe"].step(run["state"], batch)
+        run["device_busy"] = timeline.busy_fraction()
+        if args.timeline:
+            os.makedirs(args.timeline, exist_ok=True)
+            stem = os.path.join(
+                args.timeline, f"{run['name'].replace(' ', '-').replace('/', '-')}-K{run['k']}"
+            )
+            timeline.gantt(stem + ".png", title=f"{args.model} {run['name']} K={run['k']}")
+            timeline.chrome_trace(stem + ".json")
+    if args.timeline:
+        print(f"# timelines written to {args.timeline}/")
+
     base = np.array(runs[0]["rate"])
     header = (
         f"| {'method':22s} | K | {'samples/s median [min-max]':27s} | "
-        f"{'x fused BP [min-max]':20s} | {'cores busy':10s} | host ms/step | "
+        f"{'x fused BP [min-max]':20s} | {'cores busy':10s} | device busy % | host ms/step | "
         "state MiB per device |"
     )
     print()
@@ -189,7 +214,9 @@ def main(argv=None):
             f"| {run['name']:22s} | {run['k']} | "
             f"{np.median(rate):9.1f} [{rate.min():7.1f}-{rate.max():7.1f}] | "
             f"{np.median(ratio):5.2f} [{ratio.min():4.2f}-{ratio.max():4.2f}]     | "
-            f"{statistics.median(run['busy']):10.2f} | {statistics.median(run['host']):12.2f} | "
+            f"{statistics.median(run['busy']):10.2f} | "
+            + f"{' '.join(f'{100 * b:.0f}' for b in run['device_busy'].values()):13s} | "
+            + f"{statistics.median(run['host']):12.2f} | "
             + " ".join(f"{b / 2**20:.1f}" for b in memory.values())
             + " |"
         )

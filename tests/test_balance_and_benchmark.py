@@ -1,5 +1,7 @@
 """Block profiling, the speedup ceiling, the memory of the policies, and the benchmark script."""
 
+import contextlib
+import json
 import pathlib
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import pytest
 
 import dgrad
 from dgrad import balance, models
+from dgrad.timeline import Timeline
 from experiments.benchmark import state_bytes_per_device
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -56,7 +59,40 @@ def test_recompute_memory_scales_with_batches_in_flight_not_depth():
     assert kept_deep > 2 * kept_shallow  # residuals grow with the layers of the stage
 
 
-def test_benchmark_runs_at_tiny_size():
+def test_timeline_records_each_device_in_order_without_changing_numbers(tmp_path):
+    batches = [(jnp.full((4, 8, 8, 1), float(i)), jnp.zeros((4,), jnp.int32)) for i in range(6)]
+
+    def train(timeline=None):
+        stages = models.cifar_resnet(8, 3, 2, width=4, in_channels=1, split="balanced")
+        pipe = dgrad.Pipeline(
+            stages, method="fdg", optimizer=optax.sgd(0.1), devices=jax.devices()[:2]
+        )
+        state = pipe.init(batches[0])
+        with pipe.trace(timeline) if timeline else contextlib.nullcontext():
+            for batch in batches:
+                state, _ = pipe.step(state, batch)
+        return jax.device_get([s.params for s in state.stages])
+
+    timeline = Timeline()
+    traced = train(timeline)
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(train())):
+        assert (a == b).all()
+    names = {(e.device, e.name) for e in timeline.events}
+    assert names == {(0, "forward_keep"), (0, "backward_kept"), (0, "update"), (1, "loss_step")}
+    assert len([e for e in timeline.events if e.name == "loss_step"]) == 5  # after one fill step
+    for device in (0, 1):
+        events = [e for e in timeline.events if e.device == device]
+        assert all(e.start <= e.end for e in events)
+        assert all(a.end <= b.start for a, b in zip(events, events[1:]))
+    assert all(0 < f <= 1 for f in timeline.busy_fraction().values())
+    timeline.chrome_trace(tmp_path / "trace.json")
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == len(timeline.events)
+    timeline.gantt(tmp_path / "gantt.png", title="test")
+    assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_benchmark_runs_at_tiny_size(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""
     result = subprocess.run(
         [
@@ -78,6 +114,8 @@ def test_benchmark_runs_at_tiny_size():
             "--steps",
             "2",
             "--policies",
+            "--timeline",
+            str(tmp_path),
         ],
         cwd=ROOT,
         capture_output=True,
@@ -98,3 +136,4 @@ def test_benchmark_runs_at_tiny_size():
         "fdg current/recompute",
     ]
     assert "predicted ceiling" in result.stdout and "fake CPU devices" in result.stdout
+    assert len(list(tmp_path.glob("*.png"))) == len(list(tmp_path.glob("*.json"))) == len(names)

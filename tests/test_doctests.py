@@ -16,6 +16,9 @@ MODULES = [
     "dgrad.models.split",
     "dgrad.models.mlp",
     "dgrad.models.resnet",
+    "dgrad.balance",
+    "dgrad.data",
+    "dgrad.timeline",
 ]
 
 

@@ -1,0 +1,154 @@
+"""Record when each stage's work ran on each device, and draw it.
+
+A `Timeline` attached to a pipeline (`pipe.trace(timeline)`) gets every
+dispatched stage function with its outputs. One watcher thread per device waits
+for those outputs in dispatch order, so the host never stalls: a call's end is
+when its outputs became ready, its start the later of its dispatch and the end
+of the previous call on that device (a device runs its work in order).
+Buffer donation is off while tracing so that every output can be watched.
+
+>>> import jax, jax.numpy as jnp, optax, dgrad
+>>> from dgrad import models
+>>> pipe = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), method="fdg",
+...                       optimizer=optax.sgd(0.1))
+>>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
+>>> state, timeline = pipe.init(batch), Timeline()
+>>> with pipe.trace(timeline):
+...     for _ in range(3):
+...         state, _ = pipe.step(state, batch)
+>>> sorted({(e.stage, e.name) for e in timeline.events})[:3]
+[(0, 'forward_keep'), (0, 'update'), (1, 'backward_kept')]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import queue
+import threading
+import time
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One stage function's run on a device; times in seconds from the timeline's start."""
+
+    device: int
+    stage: int
+    name: str
+    batch: int
+    start: float
+    end: float
+
+
+class Timeline:
+    """Collects `Event`s from a traced pipeline; see the module docstring."""
+
+    def __init__(self):
+        self.events: list[Event] = []
+        self._origin = time.perf_counter()
+        self._queues: dict[int, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def record(self, device: jax.Device, stage: int, name: str, batch: int, outputs) -> None:
+        """Called by the pipeline right after it dispatches a stage function."""
+        dispatched = time.perf_counter()
+        if device.id not in self._queues:
+            self._queues[device.id] = queue.SimpleQueue()
+            thread = threading.Thread(
+                target=self._watch, args=(device.id, self._queues[device.id]), daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        self._queues[device.id].put((stage, name, batch, dispatched, outputs))
+
+    def _watch(self, device: int, pending: queue.SimpleQueue) -> None:
+        previous_end = 0.0
+        while (item := pending.get()) is not None:
+            stage, name, batch, dispatched, outputs = item
+            jax.block_until_ready(outputs)
+            end = time.perf_counter() - self._origin
+            start = max(dispatched - self._origin, previous_end)
+            previous_end = end
+            with self._lock:
+                self.events.append(Event(device, stage, name, batch, start, end))
+
+    def close(self) -> None:
+        """Waits for every recorded call to finish; call before reading `events`."""
+        for pending in self._queues.values():
+            pending.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._queues, self._threads = {}, []
+
+    def busy_fraction(self) -> dict[int, float]:
+        """Per device: time its work ran over the span from the first start to the last end."""
+        if not self.events:
+            return {}
+        span = max(e.end for e in self.events) - min(e.start for e in self.events)
+        busy = {}
+        for e in self.events:
+            busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
+        return {d: b / span for d, b in sorted(busy.items())}
+
+    def chrome_trace(self, path) -> None:
+        """Writes the events as a Chrome / Perfetto trace (open in ui.perfetto.dev)."""
+        events = [
+            {
+                "name": e.name,
+                "ph": "X",
+                "ts": 1e6 * e.start,
+                "dur": 1e6 * (e.end - e.start),
+                "pid": e.device,
+                "tid": e.stage,
+                "args": {"batch": e.batch},
+            }
+            for e in self.events
+        ]
+        names = [
+            {"name": "process_name", "ph": "M", "pid": d, "args": {"name": f"device {d}"}}
+            for d in sorted({e.device for e in self.events})
+        ]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
+
+    def gantt(self, path, title: str = "") -> None:
+        """Draws one row per device, a bar per stage function, colour by kind (PNG)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        colours = {
+            "forward": "tab:blue",
+            "backward": "tab:orange",
+            "update": "tab:green",
+            "loss": "tab:red",
+            "fused": "tab:purple",
+        }
+        devices = sorted({e.device for e in self.events})
+        fig, ax = plt.subplots(figsize=(12, 1 + 0.8 * len(devices)))
+        for row, device in enumerate(devices):
+            for e in (e for e in self.events if e.device == device):
+                kind = next((k for k in colours if e.name.startswith(k)), "fused")
+                ax.broken_barh(
+                    [(1e3 * e.start, 1e3 * (e.end - e.start))],
+                    (row - 0.4, 0.8),
+                    facecolors=colours[kind],
+                    edgecolor="white",
+                    linewidth=0.3,
+                )
+        busy = self.busy_fraction()
+        ax.set_yticks(
+            range(len(devices)), [f"device {d}\n{100 * busy[d]:.0f}% busy" for d in devices]
+        )
+        ax.set_xlabel("milliseconds")
+        ax.set_title(title)
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+        ax.legend(handles, list(colours), loc="upper right", ncols=len(colours), fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
