@@ -46,9 +46,10 @@ Optimizer = optax.GradientTransformation | Callable[[int], optax.GradientTransfo
 class Pending:
     """What a stage keeps from the forward of `batch` for its delayed backward.
 
-    With `memory="residuals"` only `residuals` (the VJP's saved values) is set;
-    with `"recompute"`, `inputs` and, under `weights="stash"`, the `params` and
-    `rest` that the forward used.
+    With `memory="residuals"`, `residuals` (the VJP's saved values); with
+    `"recompute"`, `inputs` and, under `weights="stash"`, the `rest` that the
+    forward used. Under `weights="stash"` also the forward's `params` (for the
+    recomputation, and as the stale weights for delay compensation).
     """
 
     batch: int = struct.field(pytree_node=False)
@@ -191,7 +192,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         # Records holding stashed parameters must outlive the update that
         # replaces them, so only donate parameters no record can refer to.
-        keeps_params = method != "bp" and weights == "stash"
+        keeps_params = self._keeps_params = method != "bp" and weights == "stash"
         self.stages = [
             StageFunctions(
                 module,
@@ -302,7 +303,7 @@ class Pipeline:
             return getattr(fns, name)(*args)
         fn = fns.undonated(name) if name in fns.DONATING else getattr(fns, name)
         outputs = fn(*args)
-        self._timeline.record(self.devices[k], k, name, batch, outputs)
+        self._timeline.record(self.devices[k], k, name, batch, args, outputs)
         return outputs
 
     @contextlib.contextmanager
@@ -325,7 +326,8 @@ class Pipeline:
         """Stage k forwards `x`; returns its output and the stage with the record kept."""
         if self.memory == "residuals":
             y, rest, residuals = self._run(k, "forward_keep", batch, stage.params, stage.rest, x)
-            record = Pending(batch, residuals=residuals)
+            stashed = stage.params if self.weights == "stash" else None
+            record = Pending(batch, residuals=residuals, params=stashed)
         else:
             y, rest = self._run(k, "forward", batch, stage.params, stage.rest, x)
             stashed = (stage.params, stage.rest) if self.weights == "stash" else (None, None)
@@ -353,8 +355,11 @@ class Pipeline:
             grads, input_cotangent = self._run(
                 k, "backward_recompute", record.batch, params, rest, record.inputs, cotangent.value
             )
+        # The weights the gradient was taken at, for transforms that compensate
+        # staleness; None means the current ones (and lets `update` donate them).
+        stale = record.params if self._keeps_params else None
         params, opt_state = self._run(
-            k, "update", record.batch, stage.params, stage.opt_state, grads
+            k, "update", record.batch, stage.params, stage.opt_state, grads, stale
         )
         return stage.replace(params=params, opt_state=opt_state, pending=pending), input_cotangent
 
@@ -479,7 +484,7 @@ class Pipeline:
         )
         params, rests, opt_states, metrics = outputs = fused_step(*args)
         if self._timeline is not None:
-            self._timeline.record(self.devices[0], 0, "fused_step", state.step, outputs)
+            self._timeline.record(self.devices[0], 0, "fused_step", state.step, args, outputs)
         stages = tuple(StageState(p, r, o) for p, r, o in zip(params, rests, opt_states))
         finite = state.finite & jnp.isfinite(metrics["loss"])
         return (

@@ -78,6 +78,7 @@ def reference_run(
         copy.train()
         graph, params, rest = nnx.split(copy, nnx.Param, ...)
         tx = optimizer(k) if not isinstance(optimizer, optax.GradientTransformation) else optimizer
+        tx = optax.with_extra_args_support(tx)
         graphs.append(graph)
         W.append([params])
         R.append(rest)
@@ -155,7 +156,10 @@ def reference_run(
             updates[k] = grad
         for k in range(K):
             if k in updates:
-                delta, opt[k] = txs[k].update(updates[k], opt[k], W[k][t])
+                b = schedule.backward_batch(k, t)
+                delta, opt[k] = txs[k].update(
+                    updates[k], opt[k], W[k][t], stale_params=backward_weights(k, b)
+                )
                 W[k].append(optax.apply_updates(W[k][t], delta))
             else:
                 W[k].append(W[k][t])

@@ -68,7 +68,7 @@ class StageFunctions:
         self.train_graph = _graphdef_in_mode(module, train=True)
         self.eval_graph = _graphdef_in_mode(module, train=False)
         _, self.params, self.rest = nnx.split(module, nnx.Param, ...)
-        self.optimizer = optimizer
+        self.optimizer = optax.with_extra_args_support(optimizer)
         self.first = first
         self.loss_fn = loss_fn
         self._residual_treedef = None
@@ -115,8 +115,13 @@ class StageFunctions:
         y = model(x)
         return y, nnx.split(model, nnx.Param, ...)[2]
 
-    def apply_optimizer(self, params, opt_state, grads):
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+    def apply_optimizer(self, params, opt_state, grads, stale_params=None):
+        """One optimizer step; `stale_params` (the weights the gradient was taken at,
+        default `params`) reaches transforms that ask for it, e.g. delay compensation."""
+        stale_params = params if stale_params is None else stale_params
+        updates, opt_state = self.optimizer.update(
+            grads, opt_state, params, stale_params=stale_params
+        )
         return optax.apply_updates(params, updates), opt_state
 
     def _vjp(self, params, rest, x):

@@ -1,10 +1,11 @@
 """Record when each stage's work ran on each device, and draw it.
 
 A `Timeline` attached to a pipeline (`pipe.trace(timeline)`) gets every
-dispatched stage function with its outputs. One watcher thread per device waits
-for those outputs in dispatch order, so the host never stalls: a call's end is
-when its outputs became ready, its start the later of its dispatch and the end
-of the previous call on that device (a device runs its work in order).
+dispatched stage function with its inputs and outputs. One watcher thread per
+device waits for them in dispatch order, so the host never stalls: a call's end
+is when its outputs became ready, its start the latest of its dispatch, the end
+of the previous call on that device (a device runs its work in order) and the
+moment its inputs became ready (they may come from another device).
 Buffer donation is off while tracing so that every output can be watched.
 
 >>> import jax, jax.numpy as jnp, optax, dgrad
@@ -17,7 +18,7 @@ Buffer donation is off while tracing so that every output can be watched.
 ...     for _ in range(3):
 ...         state, _ = pipe.step(state, batch)
 >>> sorted({(e.stage, e.name) for e in timeline.events})[:3]
-[(0, 'forward_keep'), (0, 'update'), (1, 'backward_kept')]
+[(0, 'backward_kept'), (0, 'forward_keep'), (0, 'update')]
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class Timeline:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
-    def record(self, device: jax.Device, stage: int, name: str, batch: int, outputs) -> None:
+    def record(
+        self, device: jax.Device, stage: int, name: str, batch: int, inputs, outputs
+    ) -> None:
         """Called by the pipeline right after it dispatches a stage function."""
         dispatched = time.perf_counter()
         if device.id not in self._queues:
@@ -63,15 +66,17 @@ class Timeline:
             )
             thread.start()
             self._threads.append(thread)
-        self._queues[device.id].put((stage, name, batch, dispatched, outputs))
+        self._queues[device.id].put((stage, name, batch, dispatched, inputs, outputs))
 
     def _watch(self, device: int, pending: queue.SimpleQueue) -> None:
         previous_end = 0.0
         while (item := pending.get()) is not None:
-            stage, name, batch, dispatched, outputs = item
+            stage, name, batch, dispatched, inputs, outputs = item
+            jax.block_until_ready(inputs)
+            inputs_ready = time.perf_counter() - self._origin
             jax.block_until_ready(outputs)
             end = time.perf_counter() - self._origin
-            start = max(dispatched - self._origin, previous_end)
+            start = min(max(dispatched - self._origin, previous_end, inputs_ready), end)
             previous_end = end
             with self._lock:
                 self.events.append(Event(device, stage, name, batch, start, end))

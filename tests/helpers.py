@@ -67,7 +67,7 @@ def reference(model, num_stages, method, weights, beta):
 def run_pipeline(model, num_stages, steps=None, data=None, **kwargs):
     """Trains a fresh pipeline; returns (pipeline, final state, metrics of every step)."""
     data = data if data is not None else batches(model, steps or num_steps(num_stages))
-    pipe = dgrad.Pipeline(build_stages(model, num_stages), optimizer=optimizer, **kwargs)
+    pipe = dgrad.Pipeline(build_stages(model, num_stages), **{"optimizer": optimizer, **kwargs})
     state = pipe.init(data[0])
     history = []
     for batch in data:

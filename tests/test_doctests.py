@@ -8,6 +8,11 @@ import pytest
 MODULES = [
     "dgrad.schedule",
     "dgrad.optim",
+    "dgrad.optim.shrink",
+    "dgrad.optim.delay",
+    "dgrad.optim.compensation",
+    "dgrad.optim.prediction",
+    "dgrad.optim.schedules",
     "dgrad.losses",
     "dgrad.stage",
     "dgrad.placement",

@@ -1,4 +1,4 @@
-"""Optax transforms for delayed-gradient training.
+"""Gradient shrinking (FDG, Zhuang et al. 2019).
 
 `shrink` is the gradient shrinking of FDG (Zhuang et al., 2019): the pipeline
 puts it in front of stage k's optimizer with `depth = K-1-k`, so that weight

@@ -1,0 +1,69 @@
+"""Delay compensation (DC-ASGD, Zheng et al. 2017).
+
+A gradient computed at stale weights `w_stale` is moved towards the gradient at
+the current weights with a cheap diagonal Hessian approximation:
+`g + lambda * g * g * (w_now - w_stale)`. The adaptive variant divides lambda
+by the root of a running mean of `g * g`. The stale weights come in as the
+keyword argument `stale_params` (the pipeline passes the weights the batch's
+forward used).
+
+>>> import jax.numpy as jnp
+>>> tx = delay_compensation(0.5)
+>>> g, now, stale = jnp.array([2.0]), jnp.array([1.0]), jnp.array([0.5])
+>>> tx.update(g, tx.init(now), now, stale_params=stale)[0]  # 2 + 0.5 * 4 * 0.5
+Array([3.], dtype=float32)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class DelayCompensationState(NamedTuple):
+    """`mean_square`: running mean of squared gradients (adaptive variant; else None)."""
+
+    mean_square: Any
+
+
+def delay_compensation(
+    strength: float, *, adaptive: bool = False, decay: float = 0.95, eps: float = 1e-7
+) -> optax.GradientTransformationExtraArgs:
+    """Compensates stale gradients; needs `params` and `stale_params` at update time.
+
+    Args:
+      strength: lambda (lambda_0 in the adaptive variant); 0 is the identity.
+      adaptive: use `lambda / sqrt(mean_square + eps)`, DC-ASGD-a.
+      decay: the running mean's decay m: `ms = m * ms + (1 - m) * g * g`.
+      eps: added under the root.
+    """
+    if not strength >= 0:
+        raise ValueError(f"strength (lambda) must be non-negative, got {strength}.")
+
+    def init_fn(params):
+        return DelayCompensationState(jax.tree.map(jnp.zeros_like, params) if adaptive else None)
+
+    def update_fn(updates, state, params=None, *, stale_params=None, **extra_args):
+        del extra_args
+        if params is None or stale_params is None:
+            raise ValueError(
+                "delay_compensation needs the current params and stale_params=<the weights the "
+                "gradient was computed at>: tx.update(grads, state, params, stale_params=...)."
+            )
+        mean_square = state.mean_square
+        if adaptive:
+            mean_square = jax.tree.map(
+                lambda ms, g: decay * ms + (1 - decay) * g * g, mean_square, updates
+            )
+            scale = jax.tree.map(lambda ms: strength / jnp.sqrt(ms + eps), mean_square)
+        else:
+            scale = jax.tree.map(lambda g: jnp.asarray(strength, g.dtype), updates)
+        updates = jax.tree.map(
+            lambda g, s, now, old: g + s * g * g * (now - old), updates, scale, params, stale_params
+        )
+        return updates, DelayCompensationState(mean_square)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,62 @@
+"""Step-size and gradient-count remedies for staleness: PipeMare and accumulation.
+
+>>> import jax.numpy as jnp
+>>> tx = pipemare_rescale(tau=4, horizon=2)
+>>> state = tx.init(jnp.zeros(1))
+>>> for _ in range(3):
+...     updates, state = tx.update(jnp.ones(1), state)
+...     print(updates)  # 4**-1, 4**-0.5, 4**0
+[0.25]
+[0.5]
+[1.]
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class PipeMareState(NamedTuple):
+    count: jax.Array
+
+
+def pipemare_rescale(tau: int, horizon: int) -> optax.GradientTransformation:
+    """PipeMare's step-size rescaling (Yang et al. 2021) for a stage of delay `tau`.
+
+    Scales the updates by `tau ** (-p_t)` with `p_t = max(0, 1 - t / horizon)`,
+    so a stale stage starts with its step divided by its delay and reaches the
+    full step after `horizon` updates. Chain it after the optimizer. Delays 0
+    and 1 are not rescaled.
+    """
+    if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+        raise ValueError(f"tau must be a non-negative integer, got {tau!r}.")
+    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
+        raise ValueError(f"horizon must be a positive number of updates, got {horizon!r}.")
+
+    def init_fn(params):
+        del params
+        return PipeMareState(jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params=None):
+        del params
+        p = jnp.maximum(0.0, 1.0 - state.count / horizon)
+        scale = jnp.asarray(max(tau, 1), jnp.float32) ** (-p)
+        updates = jax.tree.map(lambda u: u * scale.astype(u.dtype), updates)
+        return updates, PipeMareState(optax.safe_int32_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def accumulate(inner: optax.GradientTransformation, every: int) -> optax.GradientTransformation:
+    """Averages `every` gradients before each step of `inner` (`optax.MultiSteps`).
+
+    Fewer, larger steps shrink the staleness measured in updates (ADL's remedy);
+    between steps the updates are zero.
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be a positive integer, got {every!r}.")
+    return optax.MultiSteps(inner, every_k_schedule=every).gradient_transformation()

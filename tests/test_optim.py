@@ -1,0 +1,190 @@
+"""dgrad.optim against hand computation, under jit, and plugged into the engine."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import batches, build_stages, num_steps, run_pipeline, stage_params
+
+from dgrad import optim
+from dgrad.reference import max_relative_error, reference_run
+
+
+def _run(tx, grads, params=None, jit=True, **extra):
+    params = jnp.zeros_like(grads[0]) if params is None else params
+    state = tx.init(params)
+    update = jax.jit(tx.update) if jit else tx.update
+    out = []
+    for g in grads:
+        updates, state = update(g, state, params, **extra)
+        out.append(updates)
+    return out, state
+
+
+@pytest.mark.parametrize("tau", [1, 2, 3])
+def test_delay_applies_the_gradient_from_tau_updates_ago(tau):
+    grads = [jnp.array([float(i + 1), -float(i)]) for i in range(8)]
+    out, _ = _run(optim.delay(optax.sgd(0.5), tau), grads)
+    for t, updates in enumerate(out):
+        expected = -0.5 * grads[t - tau] if t >= tau else jnp.zeros(2)
+        assert jnp.array_equal(updates, expected), (t, updates, expected)
+
+
+def test_delay_makes_no_inner_step_while_filling():
+    """Momentum neither decays nor counts during fill: the first real update is lr * g0."""
+    grads = [jnp.array([1.0]), jnp.array([10.0]), jnp.array([100.0])]
+    out, state = _run(optim.delay(optax.sgd(1.0, momentum=0.9), 2), grads)
+    assert [float(u[0]) for u in out] == [0.0, 0.0, -1.0]
+    inner_counts = jax.tree.leaves(state.inner_state)
+    assert int(state.count) == 3 and all(np.all(np.asarray(c) != 0) for c in inner_counts[:1])
+
+
+def test_delay_zero_is_the_inner_optimizer_bit_for_bit():
+    inner = optax.adam(1e-3)
+    grads = [jnp.array([0.1 * i, -0.3, 1e-7 * i]) for i in range(5)]
+    delayed_out, _ = _run(optim.delay(inner, 0), grads)
+    inner_out, _ = _run(inner, grads)
+    for a, b in zip(delayed_out, inner_out):
+        assert jnp.array_equal(a, b)
+
+
+def test_delayed_outputs_old_gradients():
+    grads = [jnp.array([float(i)]) for i in range(1, 5)]
+    out, _ = _run(optim.delayed(2), grads)
+    assert [float(u[0]) for u in out] == [0.0, 0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("tau", [-1, 1.5, True])
+def test_delay_rejects_bad_tau(tau):
+    with pytest.raises(ValueError, match="tau must be a non-negative integer"):
+        optim.delay(optax.sgd(0.1), tau)
+
+
+def test_pipeline_delays():
+    assert optim.pipeline_delays("bp", 3) == [0, 0, 0]
+    assert optim.pipeline_delays("ddg", 4) == [3, 2, 1, 0]
+    assert optim.pipeline_delays("fdg", 4) == [5, 3, 1, 0]
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_staged_delay_on_one_device_equals_the_ddg_pipeline(num_stages):
+    """DDG with stashed weights applies stage k the gradient of the whole model at the
+    weights of K-1-k steps ago: what staged_delay simulates on one device."""
+    tx = optax.sgd(0.1, momentum=0.9)
+    data = batches("mlp", 3 * num_stages + 2)
+    _, state, _ = run_pipeline(
+        "mlp", num_stages, data=data, method="ddg", optimizer=tx, devices=jax.devices()[:num_stages]
+    )
+    stages = build_stages("mlp", num_stages)
+    from flax import nnx
+
+    graphs, params, rests = zip(*(nnx.split(s, nnx.Param, ...) for s in stages))
+    params = list(params)
+
+    def loss(params, x, y):
+        for graph, p, r in zip(graphs, params, rests):
+            x = nnx.merge(graph, p, r, copy=True)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+
+    simulation = optim.staged_delay(tx, "ddg", num_stages)
+    opt_state = simulation.init(params)
+    for x, y in data:
+        updates, opt_state = simulation.update(jax.grad(loss)(params, x, y), opt_state, params)
+        params = optax.apply_updates(params, updates)
+    assert max_relative_error(stage_params(state), jax.device_get(params)) < 1e-5
+
+
+def test_delay_compensation_by_hand():
+    g, now, stale = jnp.array([2.0, -1.0]), jnp.array([1.0, 1.0]), jnp.array([0.5, 3.0])
+    tx = optim.delay_compensation(0.5)
+    updates, _ = jax.jit(tx.update)(g, tx.init(now), now, stale_params=stale)
+    assert jnp.allclose(updates, g + 0.5 * g * g * (now - stale))
+    zero, _ = optim.delay_compensation(0.0).update(g, tx.init(now), now, stale_params=stale)
+    assert jnp.array_equal(zero, g)
+
+
+def test_adaptive_delay_compensation_by_hand():
+    tx = optim.delay_compensation(0.5, adaptive=True, decay=0.9, eps=0.0)
+    now, stale = jnp.array([1.0]), jnp.array([0.0])
+    state = tx.init(now)
+    ms = 0.0
+    for g in [2.0, 4.0]:
+        updates, state = tx.update(jnp.array([g]), state, now, stale_params=stale)
+        ms = 0.9 * ms + 0.1 * g * g
+        assert jnp.allclose(updates, g + 0.5 / np.sqrt(ms) * g * g * 1.0)
+
+
+def test_delay_compensation_needs_stale_params():
+    tx = optim.delay_compensation(0.5)
+    with pytest.raises(ValueError, match="stale_params"):
+        tx.update(jnp.ones(1), tx.init(jnp.ones(1)), jnp.ones(1))
+
+
+@pytest.mark.parametrize("method,memory", [("ddg", "residuals"), ("fdg", "recompute")])
+def test_delay_compensation_in_the_engine_matches_the_reference(method, memory):
+    K = 3
+    tx = optax.chain(optim.delay_compensation(2.0), optax.sgd(0.1, momentum=0.9))
+    ref = reference_run(
+        build_stages("mlp", K), batches("mlp", num_steps(K)), method=method, optimizer=tx
+    )
+    _, state, _ = run_pipeline(
+        "mlp", K, method=method, memory=memory, optimizer=tx, devices=jax.devices()[:K]
+    )
+    assert max_relative_error(stage_params(state), ref.params) < 1e-5
+    _, plain, _ = run_pipeline(
+        "mlp", K, method=method, memory=memory, optimizer=optax.sgd(0.1, momentum=0.9)
+    )
+    assert max_relative_error(stage_params(plain), ref.params) > 1e-4  # compensation acted
+
+
+def test_predict_weights_by_hand():
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = {"w": jnp.array([1.0, 2.0])}
+    state = tx.init(params)
+    for g in ([1.0, 0.0], [1.0, 2.0]):
+        _, state = tx.update({"w": jnp.array(g)}, state, params)
+    velocity = jnp.array([1.0 * 0.9 + 1.0, 0.0 * 0.9 + 2.0])
+    predicted = jax.jit(optim.predict_weights, static_argnums=(2, 3))(params, state, 2, 0.1)
+    assert jnp.allclose(predicted["w"], params["w"] - 2 * 0.1 * velocity)
+    assert jnp.array_equal(optim.predict_weights(params, state, 0, 0.1)["w"], params["w"])
+    with pytest.raises(ValueError, match="momentum"):
+        optim.predict_weights(params, optax.adam(0.1).init(params), 2, 0.1)
+
+
+def test_pipemare_rescale():
+    out, _ = _run(optim.pipemare_rescale(tau=9, horizon=4), [jnp.ones(1)] * 6)
+    expected = [9.0 ** -(1 - t / 4) if t < 4 else 1.0 for t in range(6)]
+    np.testing.assert_allclose([float(u[0]) for u in out], expected, rtol=1e-6)
+    same, _ = _run(optim.pipemare_rescale(tau=0, horizon=4), [jnp.full(2, 3.0)] * 3)
+    assert all(jnp.array_equal(u, jnp.full(2, 3.0)) for u in same)
+    with pytest.raises(ValueError, match="horizon"):
+        optim.pipemare_rescale(2, 0)
+
+
+def test_accumulate_averages_before_each_step():
+    out, _ = _run(
+        optim.accumulate(optax.sgd(1.0), 2), [jnp.array([x]) for x in (1.0, 3.0, 5.0, 9.0)]
+    )
+    assert [float(u[0]) for u in out] == [0.0, -2.0, 0.0, -7.0]
+
+
+@pytest.mark.parametrize("transform", ["delay", "pipemare", "accumulate", "shrink"])
+def test_transforms_plug_into_the_engine_per_stage(transform):
+    K = 3
+    factories = {
+        "delay": lambda k: optim.delay(optax.sgd(0.1), k),
+        "pipemare": lambda k: optax.chain(optax.sgd(0.1), optim.pipemare_rescale(K - 1 - k, 5)),
+        "accumulate": lambda k: optim.accumulate(optax.sgd(0.1, momentum=0.9), 2),
+        "shrink": lambda k: optax.chain(optim.shrink(0.5, K - 1 - k), optax.sgd(0.1)),
+    }
+    ref = reference_run(
+        build_stages("mlp", K),
+        batches("mlp", num_steps(K)),
+        method="ddg",
+        optimizer=factories[transform],
+    )
+    _, state, _ = run_pipeline(
+        "mlp", K, method="ddg", optimizer=factories[transform], devices=jax.devices()[:K]
+    )
+    assert max_relative_error(stage_params(state), ref.params) < 1e-5
