@@ -22,7 +22,7 @@ and nothing waits for the host.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,14 +32,14 @@ from flax import nnx, struct
 
 from dgrad import losses
 from dgrad.optim import check_beta, shrink
+from dgrad.optim.per_stage import Optimizer, for_stage
+from dgrad.optim.prediction import momentum_of
 from dgrad.placement import place_stages
 from dgrad.schedule import Schedule, check_method
 from dgrad.stage import LossFn, StageFunctions
 
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "recompute")
-
-Optimizer = optax.GradientTransformation | Callable[[int], optax.GradientTransformation]
 
 
 @struct.dataclass
@@ -134,6 +134,11 @@ class Pipeline:
       loss_fn: `(outputs, labels) -> (loss, metrics)` for the last stage.
       fused: with `method="bp"`, run the whole step as one jitted function
         (all stages must then share one device).
+      predict_lr: forward with weights predicted as far ahead as the stage's
+        weight staleness tau_k: `w - tau_k * predict_lr * momentum` (SpecTrain
+        weight prediction, `dgrad.optim.predict_weights`); under
+        `weights="stash"` the backward uses the same predicted weights. Needs an
+        optimizer with momentum; set it to the optimizer's learning rate.
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class Pipeline:
         placement: str | Sequence[int] = "spread",
         loss_fn: LossFn = losses.softmax_cross_entropy,
         fused: bool = False,
+        predict_lr: float | None = None,
     ):
         if isinstance(stages, nnx.Module) or not isinstance(stages, Sequence) or not stages:
             raise TypeError(
@@ -189,6 +195,12 @@ class Pipeline:
                 "(devices=[jax.devices()[0]]) or fused=False for stage-by-stage backprop."
             )
         self.fused = fused
+        if predict_lr is not None and not (isinstance(predict_lr, (int, float)) and predict_lr > 0):
+            raise ValueError(
+                f"predict_lr must be a positive learning rate (or None for no weight "
+                f"prediction), got {predict_lr!r}."
+            )
+        self.predict_lr = None if predict_lr is None else float(predict_lr)
         self.loss_fn = loss_fn
         # Records holding stashed parameters must outlive the update that
         # replaces them, so only donate parameters no record can refer to.
@@ -204,22 +216,13 @@ class Pipeline:
             for k, module in enumerate(stages)
         ]
         self._fused_step = jax.jit(self._fused_step_fn, donate_argnums=(0, 2)) if fused else None
-        self._fused_step_undonated = jax.jit(self._fused_step_fn)  # for tracing
+        self._fused_step_undonated = jax.jit(self._fused_step_fn) if fused else None  # tracing
         self._loss = jax.jit(loss_fn)
         self._batch_spec = None
         self._timeline = None
 
     def _stage_optimizer(self, optimizer: Optimizer, k: int) -> optax.GradientTransformation:
-        tx = (
-            optimizer(k)
-            if callable(optimizer) and not isinstance(optimizer, optax.GradientTransformation)
-            else optimizer
-        )
-        if not isinstance(tx, optax.GradientTransformation):
-            raise TypeError(
-                "optimizer must be an optax.GradientTransformation or a function from the stage "
-                f"index to one; for stage {k} got {type(tx).__name__}."
-            )
+        tx = for_stage(optimizer, k)
         if self.method == "fdg":
             tx = optax.chain(shrink(self.beta, self.schedule.shrink_depth(k)), tx)
         return tx
@@ -262,6 +265,10 @@ class Pipeline:
             params, rest = jax.device_put((fns.params, fns.rest), device, may_alias=False)
             opt_state = jax.device_put(fns.optimizer.init(params), device, may_alias=False)
             stages.append(StageState(params, rest, opt_state))
+        if self.predict_lr is not None:
+            for k, stage in enumerate(stages):
+                if self.schedule.weight_staleness(k) > 0:
+                    momentum_of(stage.opt_state)  # raises if the optimizer has no momentum
         none = (None,) * self.num_stages
         finite = jax.device_put(jnp.array(True), self.devices[-1])
         return PipelineState(0, tuple(stages), none, none, finite)
@@ -324,14 +331,23 @@ class Pipeline:
 
     def _forward(self, k, stage: StageState, x, batch: int):
         """Stage k forwards `x`; returns its output and the stage with the record kept."""
+        params, stash = stage.params, self.weights == "stash"
+        tau = self.schedule.weight_staleness(k)
+        if self.predict_lr is not None and tau > 0:
+            params = self._run(
+                k, "predict_weights", batch, params, stage.opt_state, tau, self.predict_lr
+            )
         if self.memory == "residuals":
-            y, rest, residuals = self._run(k, "forward_keep", batch, stage.params, stage.rest, x)
-            stashed = stage.params if self.weights == "stash" else None
-            record = Pending(batch, residuals=residuals, params=stashed)
+            y, rest, residuals = self._run(k, "forward_keep", batch, params, stage.rest, x)
+            record = Pending(batch, residuals=residuals, params=params if stash else None)
         else:
-            y, rest = self._run(k, "forward", batch, stage.params, stage.rest, x)
-            stashed = (stage.params, stage.rest) if self.weights == "stash" else (None, None)
-            record = Pending(batch, inputs=x, params=stashed[0], rest=stashed[1])
+            y, rest = self._run(k, "forward", batch, params, stage.rest, x)
+            record = Pending(
+                batch,
+                inputs=x,
+                params=params if stash else None,
+                rest=stage.rest if stash else None,
+            )
         return y, stage.replace(rest=rest, pending=stage.pending + (record,))
 
     def _backward_and_update(self, k, stage: StageState, cotangent: Message):

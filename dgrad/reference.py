@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -28,6 +28,8 @@ import optax
 from flax import nnx
 
 from dgrad import losses
+from dgrad.optim.per_stage import Optimizer, for_stage
+from dgrad.optim.prediction import predict_weights
 from dgrad.schedule import Schedule
 
 
@@ -60,29 +62,31 @@ def reference_run(
     batches: Sequence[tuple[Any, Any]],
     *,
     method: str,
-    optimizer: optax.GradientTransformation | Callable[[int], optax.GradientTransformation],
+    optimizer: Optimizer,
     beta: float = 1.0,
     weights: str = "stash",
     loss_fn=losses.softmax_cross_entropy,
+    predict_lr: float | None = None,
 ) -> ReferenceRun:
     """Trains `stages` on `batches` by the definition of `method`.
 
     The optimizer is the user's, without the shrinking transform: here
-    shrinking is done to the cotangents instead.
+    shrinking is done to the cotangents instead. With `predict_lr`, a stage
+    forwards with its weights predicted `tau` updates ahead from the momentum
+    in its optimizer state at that moment (tau: its weight staleness).
     """
     K = len(stages)
     schedule = Schedule(method, K)
-    graphs, W, R, opt, txs = [], [], [], [], []
+    graphs, W, R, opt_history, txs = [], [], [], [], []
     for k, module in enumerate(stages):
         copy = nnx.merge(*nnx.split(module))
         copy.train()
         graph, params, rest = nnx.split(copy, nnx.Param, ...)
-        tx = optimizer(k) if not isinstance(optimizer, optax.GradientTransformation) else optimizer
-        tx = optax.with_extra_args_support(tx)
+        tx = optax.with_extra_args_support(for_stage(optimizer, k))
         graphs.append(graph)
         W.append([params])
         R.append(rest)
-        opt.append(tx.init(params))
+        opt_history.append([tx.init(params)])
         txs.append(tx)
 
     def apply(j, params, rest, x):
@@ -109,7 +113,11 @@ def reference_run(
 
     def forward_weights(j, b):
         after_update = 1 if schedule.updates_before_forward(j) else 0
-        return W[j][schedule.forward_iteration(j, b) + after_update]
+        i = schedule.forward_iteration(j, b) + after_update
+        tau = schedule.weight_staleness(j)
+        if predict_lr is None or tau == 0:
+            return W[j][i]
+        return predict_weights(W[j][i], opt_history[j][i], tau, predict_lr)
 
     def backward_weights(j, b):
         if weights == "stash":
@@ -157,12 +165,14 @@ def reference_run(
         for k in range(K):
             if k in updates:
                 b = schedule.backward_batch(k, t)
-                delta, opt[k] = txs[k].update(
-                    updates[k], opt[k], W[k][t], stale_params=backward_weights(k, b)
+                delta, opt_state = txs[k].update(
+                    updates[k], opt_history[k][t], W[k][t], stale_params=backward_weights(k, b)
                 )
                 W[k].append(optax.apply_updates(W[k][t], delta))
+                opt_history[k].append(opt_state)
             else:
                 W[k].append(W[k][t])
+                opt_history[k].append(opt_history[k][t])
         for j in range(K):
             b = schedule.forward_batch(j, t)
             if b is not None:

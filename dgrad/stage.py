@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from dgrad.optim.prediction import predict_weights
+
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
 
 
@@ -80,6 +82,7 @@ class StageFunctions:
         # The last stage's parameters are never stashed: always donate them.
         self.loss_step = jax.jit(self._loss_step, donate_argnums=(0, 2))
         self.predict = jax.jit(self._predict)
+        self.predict_weights = jax.jit(predict_weights, static_argnums=(2, 3))
         self._undonated = {}
         self.update = jax.jit(
             self.apply_optimizer, donate_argnums=(0, 1) if donate_params else (1,)
@@ -94,6 +97,7 @@ class StageFunctions:
             "backward_recompute",
             "loss_step",
             "predict",
+            "predict_weights",
             "update",
         )
         return {name: getattr(self, name) for name in names}

@@ -135,7 +135,7 @@ class Timeline:
             "fused": "tab:purple",
         }
         devices = sorted({e.device for e in self.events})
-        fig, ax = plt.subplots(figsize=(12, 1 + 0.8 * len(devices)))
+        fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(devices)))
         for row, device in enumerate(devices):
             for e in (e for e in self.events if e.device == device):
                 kind = next((k for k in colours if e.name.startswith(k)), "fused")
@@ -153,7 +153,7 @@ class Timeline:
         ax.set_xlabel("milliseconds")
         ax.set_title(title)
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-        ax.legend(handles, list(colours), loc="upper right", ncols=len(colours), fontsize=8)
+        ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)

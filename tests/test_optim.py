@@ -188,3 +188,46 @@ def test_transforms_plug_into_the_engine_per_stage(transform):
         "mlp", K, method="ddg", optimizer=factories[transform], devices=jax.devices()[:K]
     )
     assert max_relative_error(stage_params(state), ref.params) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "method,weights,memory",
+    [("ddg", "stash", "residuals"), ("fdg", "stash", "recompute"), ("fdg", "current", "recompute")],
+)
+def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, memory):
+    K, lr = 3, 0.1
+    tx = optax.sgd(lr, momentum=0.9)
+    ref = reference_run(
+        build_stages("mlp", K),
+        batches("mlp", num_steps(K)),
+        method=method,
+        optimizer=tx,
+        weights=weights,
+        predict_lr=lr,
+    )
+    _, state, _ = run_pipeline(
+        "mlp",
+        K,
+        method=method,
+        weights=weights,
+        memory=memory,
+        optimizer=tx,
+        predict_lr=lr,
+        devices=jax.devices()[:K],
+    )
+    assert max_relative_error(stage_params(state), ref.params) < 1e-5
+    plain = reference_run(
+        build_stages("mlp", K),
+        batches("mlp", num_steps(K)),
+        method=method,
+        optimizer=tx,
+        weights=weights,
+    )
+    assert max_relative_error(stage_params(state), plain.params) > 1e-4  # prediction acted
+
+
+def test_weight_prediction_needs_momentum_and_a_positive_rate():
+    with pytest.raises(ValueError, match="predict_lr must be a positive"):
+        run_pipeline("mlp", 2, method="ddg", predict_lr=0.0)
+    with pytest.raises(ValueError, match="momentum"):
+        run_pipeline("mlp", 2, method="ddg", optimizer=optax.adam(0.1), predict_lr=0.1)

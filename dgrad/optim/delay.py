@@ -22,12 +22,13 @@ pipeline stage's parameters the weight staleness of BP, DDG or FDG.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.schedule import Schedule
 
 
@@ -108,7 +109,7 @@ def stage_labels(stage_params: Sequence[Any]) -> list[Any]:
 
 
 def staged_delay(
-    optimizer: optax.GradientTransformation | Callable[[int], optax.GradientTransformation],
+    optimizer: Optimizer,
     method: str,
     num_stages: int,
 ) -> optax.GradientTransformation:
@@ -127,15 +128,7 @@ def staged_delay(
     [Array([0.], dtype=float32), Array([-1.], dtype=float32)]
     """
     delays = pipeline_delays(method, num_stages)
-    transforms = {
-        k: delay(
-            optimizer(k)
-            if callable(optimizer) and not isinstance(optimizer, optax.GradientTransformation)
-            else optimizer,
-            tau,
-        )
-        for k, tau in enumerate(delays)
-    }
+    transforms = {k: delay(for_stage(optimizer, k), tau) for k, tau in enumerate(delays)}
 
     def labels(params):
         if len(params) != num_stages:
