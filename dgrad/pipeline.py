@@ -467,7 +467,7 @@ class Pipeline:
             finite=finite,
         ), metrics
 
-    def _fused_step_fn(self, params, rests, opt_states, x, labels):
+    def _fused_step_fn(self, params, rests, opt_states, x, labels, finite):
         def loss(params):
             h, new_rests = x, []
             for fns, p, r in zip(self.stages, params, rests):
@@ -482,27 +482,24 @@ class Pipeline:
             for fns, p, o, g in zip(self.stages, params, opt_states, grads)
         ]
         new_params, new_opt_states = zip(*updated)
-        return list(new_params), new_rests, list(new_opt_states), {"loss": value, **metrics}
+        finite = finite & jnp.isfinite(value)
+        return list(new_params), new_rests, list(new_opt_states), {"loss": value, **metrics}, finite
 
     def _step_fused(self, state, x, labels):
         stages = state.stages
-        fused_step = self._fused_step
-        if self._timeline is not None:
-            fused_step = self._fused_step_undonated = getattr(
-                self, "_fused_step_undonated", None
-            ) or jax.jit(self._fused_step_fn)
+        fused_step = self._fused_step if self._timeline is None else self._fused_step_undonated
         args = (
             [s.params for s in stages],
             [s.rest for s in stages],
             [s.opt_state for s in stages],
             x,
             labels,
+            state.finite,
         )
-        params, rests, opt_states, metrics = outputs = fused_step(*args)
+        params, rests, opt_states, metrics, finite = outputs = fused_step(*args)
         if self._timeline is not None:
             self._timeline.record(self.devices[0], 0, "fused_step", state.step, args, outputs)
         stages = tuple(StageState(p, r, o) for p, r, o in zip(params, rests, opt_states))
-        finite = state.finite & jnp.isfinite(metrics["loss"])
         return (
             state.replace(step=state.step + 1, stages=stages, finite=finite),
             {**metrics, "batch": state.step},

@@ -186,9 +186,3 @@ class StageFunctions:
 
     def _predict(self, params, rest, x):
         return self.apply(params, rest, x, train=False)[0]
-
-
-def tree_all_finite(tree) -> jax.Array:
-    """True iff every leaf of `tree` is finite everywhere."""
-    leaves = [jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)

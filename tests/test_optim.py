@@ -11,6 +11,12 @@ from dgrad import optim
 from dgrad.reference import max_relative_error, reference_run
 
 
+def mlp_reference(num_stages, **kwargs):
+    """The reference run of the test MLP on its standard data stream."""
+    data = batches("mlp", num_steps(num_stages))
+    return reference_run(build_stages("mlp", num_stages), data, **kwargs)
+
+
 def _run(tx, grads, params=None, jit=True, **extra):
     params = jnp.zeros_like(grads[0]) if params is None else params
     state = tx.init(params)
@@ -125,9 +131,7 @@ def test_delay_compensation_needs_stale_params():
 def test_delay_compensation_in_the_engine_matches_the_reference(method, memory):
     K = 3
     tx = optax.chain(optim.delay_compensation(2.0), optax.sgd(0.1, momentum=0.9))
-    ref = reference_run(
-        build_stages("mlp", K), batches("mlp", num_steps(K)), method=method, optimizer=tx
-    )
+    ref = mlp_reference(K, method=method, optimizer=tx)
     _, state, _ = run_pipeline(
         "mlp", K, method=method, memory=memory, optimizer=tx, devices=jax.devices()[:K]
     )
@@ -178,9 +182,8 @@ def test_transforms_plug_into_the_engine_per_stage(transform):
         "accumulate": lambda k: optim.accumulate(optax.sgd(0.1, momentum=0.9), 2),
         "shrink": lambda k: optax.chain(optim.shrink(0.5, K - 1 - k), optax.sgd(0.1)),
     }
-    ref = reference_run(
-        build_stages("mlp", K),
-        batches("mlp", num_steps(K)),
+    ref = mlp_reference(
+        K,
         method="ddg",
         optimizer=factories[transform],
     )
@@ -197,9 +200,8 @@ def test_transforms_plug_into_the_engine_per_stage(transform):
 def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, memory):
     K, lr = 3, 0.1
     tx = optax.sgd(lr, momentum=0.9)
-    ref = reference_run(
-        build_stages("mlp", K),
-        batches("mlp", num_steps(K)),
+    ref = mlp_reference(
+        K,
         method=method,
         optimizer=tx,
         weights=weights,
@@ -216,9 +218,8 @@ def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, 
         devices=jax.devices()[:K],
     )
     assert max_relative_error(stage_params(state), ref.params) < 1e-5
-    plain = reference_run(
-        build_stages("mlp", K),
-        batches("mlp", num_steps(K)),
+    plain = mlp_reference(
+        K,
         method=method,
         optimizer=tx,
         weights=weights,
