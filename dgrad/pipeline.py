@@ -397,7 +397,12 @@ class Pipeline:
         sent = None if k == 0 else Message(batch, self._put(cotangent, k - 1))
         return stage, sent, finite, {**metrics, "batch": batch}
 
-    def _step_bp(self, state, x, labels):
+    def _forward_in_order(self, state, x, labels):
+        """BP and DDG: every stage forwards batch t in turn; the last takes its loss and updates.
+
+        Returns the stage states, the cotangent the last stage sends, the finite
+        flag and the metrics.
+        """
         t, last = state.step, self.num_stages - 1
         stages = list(state.stages)
         for k in range(last):
@@ -406,6 +411,11 @@ class Pipeline:
         stages[last], sent, finite, metrics = self._loss_and_update(
             state, stages[last], x, self._put(labels, last), t
         )
+        return stages, sent, finite, metrics
+
+    def _step_bp(self, state, x, labels):
+        t, last = state.step, self.num_stages - 1
+        stages, sent, finite, metrics = self._forward_in_order(state, x, labels)
         for k in reversed(range(last)):
             stages[k], cotangent = self._backward_and_update(k, stages[k], sent)
             sent = None if k == 0 else Message(t, self._put(cotangent, k - 1))
@@ -413,14 +423,8 @@ class Pipeline:
 
     def _step_ddg(self, state, x, labels):
         t, last = state.step, self.num_stages - 1
-        stages = list(state.stages)
+        stages, sent, finite, metrics = self._forward_in_order(state, x, labels)
         cotangents = [None] * self.num_stages
-        for k in range(last):
-            y, stages[k] = self._forward(k, stages[k], x, t)
-            x = self._put(y, k + 1)
-        stages[last], sent, finite, metrics = self._loss_and_update(
-            state, stages[last], x, self._put(labels, last), t
-        )
         if last > 0:
             cotangents[last - 1] = sent
         for k in range(last):

@@ -115,27 +115,26 @@ def main(argv=None):
     if on_cpu:
         print(f"# no accelerator: {len(devices)} fake CPU devices sharing {cpu_cores} cores")
 
-    costs = blocks().costs
+    reference_chain = blocks()
+    costs = reference_chain.costs
     if args.split == "profiled":
-        costs = balance.profile_blocks(blocks().modules, batch[0], repeats=5)
+        costs = balance.profile_blocks(reference_chain.modules, batch[0], repeats=5)
         print("# block forward+backward ms: " + " ".join(f"{1e3 * c:.1f}" for c in costs))
-
-    def stages(k):
-        chain = blocks()
-        if args.split == "profiled":
-            return chain.stages(k, balance.balanced_cuts(costs, k))
-        return chain.stages(k, args.split)
-
-    ceilings = {}
-    for k in ks:
-        cuts = models.choose_cuts(
+    split = {
+        k: models.choose_cuts(
             balance.balanced_cuts(costs, k) if args.split == "profiled" else args.split,
             k,
             costs,
-            blocks().authors,
+            reference_chain.authors,
             model=args.model,
         )
-        ceilings[k] = balance.speedup_ceiling(costs, cuts)
+        for k in ks
+    }
+
+    def stages(k):  # fresh modules for every configuration
+        return blocks().stages(k, split[k])
+
+    ceilings = {k: balance.speedup_ceiling(costs, cuts) for k, cuts in split.items()}
     print(
         "# predicted ceiling (sum of stage costs / slowest stage): "
         + ", ".join(f"K={k}: {c:.2f}x" for k, c in ceilings.items())

@@ -51,16 +51,16 @@ def num_steps(num_stages: int) -> int:
     return 3 * num_stages + 2
 
 
+def reference_of(model, num_stages, **kwargs):
+    """The reference run of a test model on its standard data stream."""
+    data = batches(model, num_steps(num_stages))
+    return reference_run(build_stages(model, num_stages), data, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def reference(model, num_stages, method, weights, beta):
-    data = batches(model, num_steps(num_stages))
-    return reference_run(
-        build_stages(model, num_stages),
-        data,
-        method=method,
-        optimizer=optimizer,
-        beta=beta,
-        weights=weights,
+    return reference_of(
+        model, num_stages, method=method, optimizer=optimizer, beta=beta, weights=weights
     )
 
 

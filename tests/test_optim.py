@@ -5,16 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import batches, build_stages, num_steps, run_pipeline, stage_params
+from helpers import batches, build_stages, reference_of, run_pipeline, stage_params
 
 from dgrad import optim
-from dgrad.reference import max_relative_error, reference_run
-
-
-def mlp_reference(num_stages, **kwargs):
-    """The reference run of the test MLP on its standard data stream."""
-    data = batches("mlp", num_steps(num_stages))
-    return reference_run(build_stages("mlp", num_stages), data, **kwargs)
+from dgrad.reference import max_relative_error
 
 
 def _run(tx, grads, params=None, jit=True, **extra):
@@ -131,7 +125,7 @@ def test_delay_compensation_needs_stale_params():
 def test_delay_compensation_in_the_engine_matches_the_reference(method, memory):
     K = 3
     tx = optax.chain(optim.delay_compensation(2.0), optax.sgd(0.1, momentum=0.9))
-    ref = mlp_reference(K, method=method, optimizer=tx)
+    ref = reference_of("mlp", K, method=method, optimizer=tx)
     _, state, _ = run_pipeline(
         "mlp", K, method=method, memory=memory, optimizer=tx, devices=jax.devices()[:K]
     )
@@ -182,7 +176,8 @@ def test_transforms_plug_into_the_engine_per_stage(transform):
         "accumulate": lambda k: optim.accumulate(optax.sgd(0.1, momentum=0.9), 2),
         "shrink": lambda k: optax.chain(optim.shrink(0.5, K - 1 - k), optax.sgd(0.1)),
     }
-    ref = mlp_reference(
+    ref = reference_of(
+        "mlp",
         K,
         method="ddg",
         optimizer=factories[transform],
@@ -200,7 +195,8 @@ def test_transforms_plug_into_the_engine_per_stage(transform):
 def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, memory):
     K, lr = 3, 0.1
     tx = optax.sgd(lr, momentum=0.9)
-    ref = mlp_reference(
+    ref = reference_of(
+        "mlp",
         K,
         method=method,
         optimizer=tx,
@@ -218,7 +214,8 @@ def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, 
         devices=jax.devices()[:K],
     )
     assert max_relative_error(stage_params(state), ref.params) < 1e-5
-    plain = mlp_reference(
+    plain = reference_of(
+        "mlp",
         K,
         method=method,
         optimizer=tx,
