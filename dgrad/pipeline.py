@@ -251,7 +251,10 @@ class Pipeline:
                         fns._loss_and_backward, fns.params, fns.rest, shape, _shape_dtype(labels)
                     )
                 else:
-                    shape = jax.eval_shape(fns.forward, fns.params, fns.rest, shape)[0]
+                    # Tracing `forward_keep` also fixes the residuals' structure, which a
+                    # state restored from a checkpoint needs before its first forward.
+                    forward = fns.forward_keep if self.memory == "residuals" else fns.forward
+                    shape = jax.eval_shape(forward, fns.params, fns.rest, shape)[0]
             except Exception as error:  # noqa: BLE001 -- re-raised with the stage named
                 raise ValueError(
                     f"Stage {k} of {self.num_stages} cannot take input of shape {shape.shape} "

@@ -24,6 +24,14 @@ MODULES = [
     "dgrad.models.resnet",
     "dgrad.balance",
     "dgrad.data",
+    "dgrad.data.arrays",
+    "dgrad.data.digits",
+    "dgrad.data.augment",
+    "dgrad.data.stream",
+    "dgrad.checkpoint",
+    "dgrad.export",
+    "dgrad.metrics",
+    "dgrad.progress",
     "dgrad.timeline",
 ]
 

@@ -1,0 +1,114 @@
+"""Datasets for training: offline digits, synthetic data, and tfds CIFAR / ImageNet.
+
+`load(name)` gives a `Dataset`: the train and test splits as random-access
+sources plus the transforms that turn their examples into model inputs.
+`Stream` turns the training split into the seeded, prefetched batch stream
+that a resumable run needs.
+
+>>> ds = load("digits")
+>>> ds.num_classes, ds.input_shape, len(ds.train), len(ds.test)
+(10, (8, 8, 1), 1438, 359)
+>>> x, y = Stream(ds.train, 32, transform=ds.train_transform, seed=0).batch(0)
+>>> x.shape, y.shape
+((32, 8, 8, 1), (32,))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dgrad.data import augment
+from dgrad.data.arrays import Split, batches, synthetic
+from dgrad.data.augment import Transform
+from dgrad.data.digits import load_digits
+from dgrad.data.stream import Source, Stream, eval_batches
+from dgrad.data.tfds_source import DatasetNotFoundError, TfdsSource
+
+DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "imagenet2012")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    """A dataset's splits and how to turn their examples into model inputs."""
+
+    name: str
+    train: Source
+    test: Source
+    train_transform: Transform
+    eval_transform: Transform
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+
+def load(
+    name: str,
+    *,
+    data_dir: str | None = None,
+    seed: int = 0,
+    image_size: int = 224,
+    synthetic_shape: tuple[int, ...] = (32, 32, 3),
+    synthetic_examples: int = 4096,
+) -> Dataset:
+    """The dataset `name`, one of `DATASETS`.
+
+    `"digits"` ships with scikit-learn (no download); `"synthetic"` is random
+    uint8 images of `synthetic_shape` for speed runs; CIFAR and ImageNet are
+    read from `data_dir` (default `$TFDS_DATA_DIR` or `~/tensorflow_datasets`)
+    and raise `DatasetNotFoundError`, saying how to prepare them, when absent.
+    """
+    if name == "digits":
+        train, test = load_digits(seed=seed)
+        return Dataset(
+            name, train, test, augment.identity, augment.identity, 10, train.images.shape[1:]
+        )
+    if name == "synthetic":
+        train = synthetic(synthetic_examples, tuple(synthetic_shape), 10, seed=seed)
+        test = synthetic(max(1, synthetic_examples // 8), tuple(synthetic_shape), 10, seed=seed + 1)
+        transform = augment.cifar_eval((0.5,) * synthetic_shape[-1], (0.25,) * synthetic_shape[-1])
+        return Dataset(name, train, test, transform, transform, 10, tuple(synthetic_shape))
+    if name in ("cifar10", "cifar100"):
+        mean, std = {
+            "cifar10": (augment.CIFAR10_MEAN, augment.CIFAR10_STD),
+            "cifar100": (augment.CIFAR100_MEAN, augment.CIFAR100_STD),
+        }[name]
+        train = TfdsSource(name, "train", data_dir)
+        test = TfdsSource(name, "test", data_dir)
+        return Dataset(
+            name,
+            train,
+            test,
+            augment.cifar_train(mean, std),
+            augment.cifar_eval(mean, std),
+            train.num_classes,
+            (32, 32, 3),
+        )
+    if name == "imagenet2012":
+        train = TfdsSource(name, "train", data_dir)
+        test = TfdsSource(name, "validation", data_dir)
+        return Dataset(
+            name,
+            train,
+            test,
+            augment.imagenet_train(image_size),
+            augment.imagenet_eval(image_size, resize=round(image_size * 256 / 224)),
+            train.num_classes,
+            (image_size, image_size, 3),
+        )
+    raise ValueError(f"Unknown dataset {name!r}; choose one of {DATASETS}.")
+
+
+__all__ = [
+    "DATASETS",
+    "Dataset",
+    "DatasetNotFoundError",
+    "Split",
+    "Source",
+    "Stream",
+    "TfdsSource",
+    "augment",
+    "batches",
+    "eval_batches",
+    "load",
+    "load_digits",
+    "synthetic",
+]

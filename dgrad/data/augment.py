@@ -1,0 +1,122 @@
+"""Batch transforms: augmentation and normalisation on the host, in numpy.
+
+A transform maps `(images, labels, rng)` to float32 NHWC inputs and int32
+labels. Training transforms draw from `rng` (a `np.random.Generator`), so a
+batch is a pure function of its seed.
+
+>>> images = np.zeros((2, 32, 32, 3), np.uint8)
+>>> transform = cifar_train(CIFAR10_MEAN, CIFAR10_STD)
+>>> x, y = transform(images, np.array([1, 2]), np.random.default_rng(0))
+>>> x.shape, x.dtype, y.dtype
+((2, 32, 32, 3), dtype('float32'), dtype('int32'))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+Transform = Callable[
+    [Sequence[np.ndarray] | np.ndarray, np.ndarray, np.random.Generator],
+    tuple[np.ndarray, np.ndarray],
+]
+
+CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def normalise(images: np.ndarray, mean, std) -> np.ndarray:
+    """uint8 images to float32, scaled to [0, 1] and standardised per channel."""
+    mean = np.asarray(mean, np.float32)
+    std = np.asarray(std, np.float32)
+    return ((np.asarray(images, np.float32) / 255.0 - mean) / std).astype(np.float32)
+
+
+def identity(images, labels, rng=None):
+    """Images that are already model inputs (the digits): only fixes the dtypes."""
+    return np.asarray(images, np.float32), np.asarray(labels, np.int32)
+
+
+def random_crop_and_flip(images: np.ndarray, rng: np.random.Generator, padding: int = 4):
+    """Zero-pads by `padding`, crops back to the original size at a random offset,
+    and flips half the images left to right (the standard CIFAR augmentation)."""
+    n, h, w, _ = images.shape
+    padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    top = rng.integers(0, 2 * padding + 1, n)
+    left = rng.integers(0, 2 * padding + 1, n)
+    flip = rng.random(n) < 0.5
+    out = np.empty_like(images)
+    for i in range(n):
+        crop = padded[i, top[i] : top[i] + h, left[i] : left[i] + w]
+        out[i] = crop[:, ::-1] if flip[i] else crop
+    return out
+
+
+def cifar_train(mean, std, padding: int = 4) -> Transform:
+    def transform(images, labels, rng):
+        images = random_crop_and_flip(np.asarray(images), rng, padding)
+        return normalise(images, mean, std), np.asarray(labels, np.int32)
+
+    return transform
+
+
+def cifar_eval(mean, std) -> Transform:
+    def transform(images, labels, rng=None):
+        return normalise(images, mean, std), np.asarray(labels, np.int32)
+
+    return transform
+
+
+def _random_resized_box(height, width, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
+    """The Inception crop box (left, top, right, bottom): random area and aspect ratio."""
+    area = height * width
+    for _ in range(10):
+        target = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(rng.integers(0, height - h + 1))
+            left = int(rng.integers(0, width - w + 1))
+            return left, top, left + w, top + h
+    side = min(height, width)  # fall back to the central square
+    top, left = (height - side) // 2, (width - side) // 2
+    return left, top, left + side, top + side
+
+
+def imagenet_train(size: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Transform:
+    """Random-resized crop to `size` and a random horizontal flip (images of any size)."""
+    from PIL import Image
+
+    def transform(images, labels, rng):
+        out = np.empty((len(images), size, size, 3), np.uint8)
+        for i, image in enumerate(images):
+            box = _random_resized_box(image.shape[0], image.shape[1], rng)
+            crop = Image.fromarray(image).resize((size, size), Image.BILINEAR, box=box)
+            out[i] = np.asarray(crop)[:, ::-1] if rng.random() < 0.5 else np.asarray(crop)
+        return normalise(out, mean, std), np.asarray(labels, np.int32)
+
+    return transform
+
+
+def imagenet_eval(
+    size: int = 224, resize: int = 256, mean=IMAGENET_MEAN, std=IMAGENET_STD
+) -> Transform:
+    """Resize the shorter side to `resize`, then the central `size` x `size` crop."""
+    from PIL import Image
+
+    def transform(images, labels, rng=None):
+        out = np.empty((len(images), size, size, 3), np.uint8)
+        for i, image in enumerate(images):
+            height, width = image.shape[:2]
+            scale = resize / min(height, width)
+            h, w = max(size, round(height * scale)), max(size, round(width * scale))
+            resized = np.asarray(Image.fromarray(image).resize((w, h), Image.BILINEAR))
+            top, left = (h - size) // 2, (w - size) // 2
+            out[i] = resized[top : top + size, left : left + size]
+        return normalise(out, mean, std), np.asarray(labels, np.int32)
+
+    return transform

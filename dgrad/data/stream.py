@@ -1,0 +1,141 @@
+"""The training stream: batch t is a pure function of (seed, t), prefetched on threads.
+
+Batch t belongs to epoch `t // steps_per_epoch`; each epoch visits the
+examples in its own seeded permutation (dropping the last partial batch) and
+each batch draws its augmentation from its own seeded generator. So the
+position in the stream is just the step count: a resumed run asks for
+`stream.iterate(start=step)` and sees exactly the batches it would have seen.
+
+>>> from dgrad.data.arrays import synthetic
+>>> from dgrad.data.augment import identity
+>>> stream = Stream(synthetic(10, (2, 2, 1)), batch_size=4, transform=identity, seed=0)
+>>> stream.steps_per_epoch
+2
+>>> streamed = [y.tolist() for _, y in stream.iterate(0, 3)]
+>>> streamed == [stream.batch(t)[1].tolist() for t in range(3)]
+True
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from dgrad.data.augment import Transform
+
+
+class Source(Protocol):
+    def __len__(self) -> int: ...
+
+    def get(self, indices: np.ndarray): ...
+
+
+class Stream:
+    """Shuffled, augmented training batches addressed by step.
+
+    Args:
+      source: random access to the examples (`len` and `get(indices)`).
+      batch_size: examples per batch.
+      transform: `(images, labels, rng) -> (inputs, labels)`, see `dgrad.data.augment`.
+      seed: fixes every permutation and every augmentation.
+      steps_per_epoch: batches per epoch (default: all full batches of the source);
+        fewer makes shorter epochs, each still a fresh permutation.
+      prefetch: batches prepared ahead of the consumer.
+      workers: threads preparing them (decoding and augmentation release the GIL).
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        batch_size: int,
+        *,
+        transform: Transform,
+        seed: int,
+        steps_per_epoch: int | None = None,
+        prefetch: int = 4,
+        workers: int = 2,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+        if batch_size > len(source):
+            raise ValueError(
+                f"batch_size {batch_size} exceeds the {len(source)} training examples; "
+                "use a smaller batch."
+            )
+        self.source, self.batch_size, self.transform, self.seed = (
+            source,
+            batch_size,
+            transform,
+            seed,
+        )
+        full = len(source) // batch_size
+        if steps_per_epoch is not None and not 1 <= steps_per_epoch <= full:
+            raise ValueError(
+                f"steps_per_epoch must be between 1 and {full} (the full batches of "
+                f"{len(source)} examples), got {steps_per_epoch}."
+            )
+        self.steps_per_epoch = steps_per_epoch or full
+        self.prefetch, self.workers = max(1, prefetch), max(1, workers)
+        self._order_epoch, self._order = None, None
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order, self._order_epoch = rng.permutation(len(self.source)), epoch
+        return self._order
+
+    def indices(self, step: int) -> np.ndarray:
+        """The example indices of batch `step`."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        start = position * self.batch_size
+        return self._permutation(epoch)[start : start + self.batch_size]
+
+    def batch(self, step: int, indices: np.ndarray | None = None):
+        """Batch `step`: `(inputs, labels)` numpy arrays."""
+        indices = self.indices(step) if indices is None else indices
+        images, labels = self.source.get(indices)
+        return self.transform(images, labels, np.random.default_rng([self.seed, step, 1]))
+
+    def iterate(self, start: int = 0, stop: int | None = None) -> Iterator:
+        """Batches `start, start+1, ...` (up to `stop`), `prefetch` of them prepared ahead."""
+        steps = iter(range(start, stop) if stop is not None else _count(start))
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
+            ahead = collections.deque()
+
+            def submit():
+                step = next(steps, None)
+                if step is not None:
+                    ahead.append(pool.submit(self.batch, step, self.indices(step)))
+
+            for _ in range(self.prefetch):
+                submit()
+            while ahead:
+                batch = ahead.popleft().result()
+                submit()
+                yield batch
+
+
+def _count(start: int):
+    while True:
+        yield start
+        start += 1
+
+
+def eval_batches(source: Source, batch_size: int, transform: Transform) -> Iterator:
+    """One ordered pass over `source` in full batches: `(inputs, labels, mask)`.
+
+    The last batch is padded by repeating its final example, with `mask` False on
+    the padding, so every batch has one shape and each example counts once.
+    """
+    n = len(source)
+    for start in range(0, n, batch_size):
+        indices = np.arange(start, min(start + batch_size, n))
+        mask = np.ones(batch_size, bool)
+        if len(indices) < batch_size:
+            mask[len(indices) :] = False
+            indices = np.concatenate([indices, np.full(batch_size - len(indices), indices[-1])])
+        inputs, labels = transform(*source.get(indices), None)
+        yield inputs, labels, mask

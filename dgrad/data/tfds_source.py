@@ -1,0 +1,80 @@
+"""TensorFlow Datasets splits read by random access, without TensorFlow.
+
+`tfds.data_source` reads datasets prepared in the `array_record` format
+example by example, with no TensorFlow at run time. Preparing them (download
+and conversion) needs TensorFlow once:
+
+    pip install tensorflow-cpu tensorflow-datasets
+    tfds build cifar10 --file_format=array_record --data_dir ~/tensorflow_datasets
+
+ImageNet (`imagenet2012`) must be downloaded by hand first, as tfds requires:
+put `ILSVRC2012_img_train.tar` and `ILSVRC2012_img_val.tar` into
+`<data_dir>/downloads/manual/`, then run the same `tfds build imagenet2012 ...`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """A dataset is not prepared where it was looked for; the message says how to prepare it."""
+
+
+def default_data_dir() -> str:
+    return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
+
+
+def how_to_prepare(name: str, data_dir: str) -> str:
+    steps = []
+    if name.startswith("imagenet"):
+        steps.append(
+            "download ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar from "
+            f"https://image-net.org and put them into {data_dir}/downloads/manual/, then"
+        )
+    steps.append(
+        "prepare it once in the array_record format (this step needs TensorFlow):\n"
+        "    pip install tensorflow-cpu tensorflow-datasets\n"
+        f"    tfds build {name} --file_format=array_record --data_dir {data_dir}"
+    )
+    return "; ".join(steps)
+
+
+class TfdsSource:
+    """One split of a tfds dataset: `len`, and `get(indices)` -> `(images, labels)`.
+
+    Images come back as one uint8 array when they all have the same shape
+    (CIFAR), otherwise as a list of arrays (ImageNet).
+    """
+
+    def __init__(self, name: str, split: str, data_dir: str | None = None):
+        try:
+            import tensorflow_datasets as tfds
+        except ImportError as error:
+            raise DatasetNotFoundError(
+                f"Reading {name!r} needs tensorflow-datasets: pip install 'dgrad[data]'."
+            ) from error
+        data_dir = data_dir or default_data_dir()
+        try:
+            self._source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+        except Exception as error:  # noqa: BLE001 -- tfds raises many kinds here
+            raise DatasetNotFoundError(
+                f"Dataset {name!r} (split {split!r}) is not prepared in {data_dir}. To use it, "
+                f"{how_to_prepare(name, data_dir)}\n(tfds said: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''})"
+            ) from None
+        self.name, self.split = name, split
+        self.num_classes = int(self._source.dataset_info.features["label"].num_classes)
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def get(self, indices: np.ndarray):
+        records = [self._source[int(i)] for i in indices]
+        images = [np.asarray(r["image"]) for r in records]
+        labels = np.array([r["label"] for r in records], np.int32)
+        if len({image.shape for image in images}) == 1:
+            images = np.stack(images)
+        return images, labels

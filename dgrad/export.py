@@ -1,0 +1,69 @@
+"""The trained stages merged into one model on one device, for evaluation and inference.
+
+>>> import jax, jax.numpy as jnp, optax
+>>> import dgrad
+>>> from dgrad import models
+>>> stages = models.mlp([4, 8, 3], num_stages=2)
+>>> pipe = dgrad.Pipeline(stages, method="ddg", optimizer=optax.sgd(0.1))
+>>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
+>>> state, _ = pipe.step(pipe.init(batch), batch)
+>>> model = merge(pipe, state)
+>>> bool(jnp.allclose(model(batch[0]), pipe.predict(state, batch[0])))
+True
+
+Saved and loaded again into freshly built stages:
+
+>>> import tempfile
+>>> path = save(model, tempfile.mkdtemp() + "/model")
+>>> again = load(models.mlp([4, 8, 3], num_stages=2, rngs=1), path)
+>>> bool(jnp.array_equal(again(batch[0]), model(batch[0])))
+True
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from dgrad.pipeline import Pipeline, PipelineState
+
+
+def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None) -> nnx.Sequential:
+    """One `nnx.Sequential` of all stages with `state`'s current weights, in eval mode.
+
+    Every array is copied to `device` (default the first stage's device), so the
+    model runs on one device and shares no buffer with the pipeline.
+    """
+    device = device or pipe.devices[0]
+    modules = []
+    for fns, stage in zip(pipe.stages, state.stages):
+        params, rest = jax.device_put((stage.params, stage.rest), device, may_alias=False)
+        modules.append(nnx.merge(fns.eval_graph, params, rest))
+    model = nnx.Sequential(*modules)
+    model.eval()
+    return model
+
+
+def save(model: nnx.Module, directory: str | os.PathLike) -> str:
+    """Writes the model's weights and statistics (`nnx.state`) to `directory` with orbax."""
+    path = os.path.abspath(os.fspath(directory))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(path, nnx.state(model), force=True)
+    return path
+
+
+def load(stages: Sequence[nnx.Module], directory: str | os.PathLike) -> nnx.Sequential:
+    """The model `save` wrote, given freshly built stages of the same architecture and split."""
+    model = nnx.Sequential(*stages)
+    model.eval()
+    graph, abstract = nnx.split(model)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(
+            os.path.abspath(os.fspath(directory)),
+            jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract),
+        )
+    return nnx.merge(graph, restored)

@@ -1,0 +1,104 @@
+"""Training metrics on disk: JSON lines, TensorBoard when available, and a PNG of the curves.
+
+Every record is one JSON object per line with a `kind` ("train" for step
+intervals, "epoch" for end-of-epoch evaluation) and the `step` it describes.
+A resumed run first drops the records past its checkpoint, so no step is
+written twice.
+
+>>> import tempfile, os
+>>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+>>> with MetricWriter(path) as writer:
+...     writer.write({"kind": "epoch", "step": 10, "epoch": 1, "test_accuracy": 0.5})
+...     writer.write({"kind": "epoch", "step": 20, "epoch": 2, "test_accuracy": 0.7})
+>>> truncate(path, after_step=10)
+>>> [r["epoch"] for r in read(path)]
+[1]
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Mapping
+
+
+def read(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
+    """The records in `path` (of one `kind` if given); [] if the file does not exist."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+def truncate(path: str | os.PathLike, after_step: int) -> None:
+    """Drops the records of steps after `after_step` (those a resumed run will redo)."""
+    records = [r for r in read(path) if r["step"] <= after_step]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+class MetricWriter:
+    """Appends records to a JSON-lines file and, if `tensorboard_dir` is given and
+    tensorboardX is installed, to TensorBoard (scalars named `kind/name`)."""
+
+    def __init__(self, path: str | os.PathLike, tensorboard_dir: str | None = None):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._file = open(path, "a")
+        self._tensorboard = None
+        if tensorboard_dir is not None:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                pass
+            else:
+                self._tensorboard = SummaryWriter(tensorboard_dir)
+
+    @property
+    def has_tensorboard(self) -> bool:
+        return self._tensorboard is not None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(dict(record)) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None:
+            for name, value in record.items():
+                if name not in ("kind", "step") and isinstance(value, (int, float)):
+                    self._tensorboard.add_scalar(f"{record['kind']}/{name}", value, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], path: str | os.PathLike) -> str:
+    """Train loss and test accuracy per epoch of each run (label -> epoch records), as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (loss_axes, accuracy_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, records in runs.items():
+        records = list(records)
+        epochs = [r["epoch"] for r in records]
+        loss_axes.plot(epochs, [r.get("train_loss", math.nan) for r in records], "o-", label=label)
+        accuracy_axes.plot(epochs, [r["test_accuracy"] for r in records], "o-", label=label)
+    loss_axes.set(xlabel="epoch", ylabel="train loss", yscale="log", title="Training loss")
+    accuracy_axes.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy")
+    for axes in (loss_axes, accuracy_axes):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return os.fspath(path)
