@@ -210,9 +210,12 @@ class Checkpointer:
 
     def extra(self, step: int | None = None) -> dict[str, Any]:
         """The `extra` saved with checkpoint `step` (default the newest), without its arrays."""
-        step = self._require(step)
-        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return meta["meta"]["extra"]
+        return self._meta(self._require(step))["extra"]
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+            "meta"
+        ]
 
     def restore(
         self, pipe, template: PipelineState, step: int | None = None
@@ -223,6 +226,12 @@ class Checkpointer:
         every array goes to the device `pipe` places its stage on.
         """
         step = self._require(step)
+        saved_stages = len(self._meta(step)["layout"]["stages"])
+        if saved_stages != pipe.num_stages:
+            raise ValueError(
+                f"The checkpoint at step {step} holds {saved_stages} stages but this pipeline "
+                f"has {pipe.num_stages}; resume with the same number of stages."
+            )
         metadata = self._manager.item_metadata(step)["state"].tree
         _check_shapes(template, metadata)
         abstract = {

@@ -250,8 +250,8 @@ def check_resumable(saved: dict[str, Any], config: ml_collections.ConfigDict, wh
         )
         raise ValueError(
             f"The checkpoint in {where} was written with another configuration:\n{lines}\n"
-            "Resume with the configuration it was written with (saved in config.json next to "
-            "it), or start a new run in another --workdir."
+            f"Resume with the configuration it was written with ({where}/config.json), or "
+            "start a new run in another --workdir."
         )
 
 
@@ -270,6 +270,12 @@ def train(
     check_config(config)
     log = log or (lambda text: print(text, flush=True))
     workdir = os.path.abspath(os.fspath(workdir))
+    for run in runs_of(config):
+        checkpoints = os.path.join(workdir, run.label, "checkpoints")
+        if os.path.isdir(checkpoints):
+            with Checkpointer(checkpoints) as saved:
+                if saved.latest_step() is not None:
+                    check_resumable(saved.extra()["config"], config, workdir)
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(config_to_json(config), f, indent=2)
@@ -341,16 +347,18 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
     checkpoints = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=config.keep_checkpoints)
     state, sums, interval = template, _Sums(), _Sums()
     if checkpoints.latest_step() is not None:
-        extra = checkpoints.extra()
-        check_resumable(extra["config"], config, run_dir)
         state, extra = checkpoints.restore(pipe, template)
         sums, interval = _Sums(extra["epoch_sums"]), _Sums(extra["interval_sums"])
         metrics.truncate(metrics_path, after_step=state.step)
         position = extra["data"]
-        log(
-            f"  resumed from the checkpoint at step {state.step} (epoch {position['epoch'] + 1}, "
-            f"{position['batch_in_epoch']} of {steps_per_epoch} batches done)"
-        )
+        if state.step >= total_steps:
+            log(f"  finished earlier, at step {state.step}: nothing left to train")
+        else:
+            log(
+                f"  resumed from the checkpoint at step {state.step} (epoch "
+                f"{position['epoch'] + 1}, {position['batch_in_epoch']} of {steps_per_epoch} "
+                "batches done)"
+            )
 
     def save():
         epoch, position = divmod(state.step, steps_per_epoch)

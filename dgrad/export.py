@@ -8,7 +8,8 @@
 >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
 >>> state, _ = pipe.step(pipe.init(batch), batch)
 >>> model = merge(pipe, state)
->>> bool(jnp.allclose(model(batch[0]), pipe.predict(state, batch[0])))
+>>> import numpy as np
+>>> bool(np.allclose(model(batch[0]), pipe.predict(state, batch[0])))
 True
 
 Saved and loaded again into freshly built stages:

@@ -4,8 +4,8 @@
 example by example, with no TensorFlow at run time. Preparing them (download
 and conversion) needs TensorFlow once:
 
-    pip install tensorflow-cpu tensorflow-datasets
-    tfds build cifar10 --file_format=array_record --data_dir ~/tensorflow_datasets
+    python3 -m venv .tfds && .tfds/bin/pip install tensorflow-cpu tensorflow-datasets
+    .tfds/bin/tfds build cifar10 --file_format=array_record --data_dir ~/tensorflow_datasets
 
 ImageNet (`imagenet2012`) must be downloaded by hand first, as tfds requires:
 put `ILSVRC2012_img_train.tar` and `ILSVRC2012_img_val.tar` into
@@ -35,9 +35,10 @@ def how_to_prepare(name: str, data_dir: str) -> str:
             f"https://image-net.org and put them into {data_dir}/downloads/manual/, then"
         )
     steps.append(
-        "prepare it once in the array_record format (this step needs TensorFlow):\n"
-        "    pip install tensorflow-cpu tensorflow-datasets\n"
-        f"    tfds build {name} --file_format=array_record --data_dir {data_dir}"
+        "prepare it once in the array_record format (this step needs TensorFlow, best kept "
+        "in an environment of its own):\n"
+        "    python3 -m venv .tfds && .tfds/bin/pip install tensorflow-cpu tensorflow-datasets\n"
+        f"    .tfds/bin/tfds build {name} --file_format=array_record --data_dir {data_dir}"
     )
     return "; ".join(steps)
 
