@@ -28,6 +28,17 @@ def quiet(text):
     pass
 
 
+def cli(*args, timeout=600):
+    """`python -m experiments.train ARGS` in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.train", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def small_config(**overrides):
     """The default config cut to a few seconds: one run, 2 short epochs."""
     config = default.get_config("smoke")
@@ -43,16 +54,8 @@ def small_config(**overrides):
 def test_cli_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
     """A fresh process, as a user runs it: fake CPU devices, both runs, files, summary."""
     workdir = tmp_path / "run"
-    command = [
-        sys.executable,
-        "-m",
-        "experiments.train",
-        "--config",
-        "experiments/configs/default.py:smoke",
-        "--workdir",
-        str(workdir),
-    ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    args = ("--config", "experiments/configs/default.py:smoke", "--workdir", str(workdir))
+    result = cli(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "No accelerator found: running 2 stage(s) on 2 fake CPU devices" in result.stdout
     summary = result.stdout.split("Test accuracy:")[1].split("Curves:")[0]
@@ -73,7 +76,7 @@ def test_cli_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
     assert "step 66/66" in result.stderr  # progress lines, since stderr is not a terminal
 
     # The same workdir again: everything is finished, nothing is retrained.
-    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = cli(*args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.split("Test accuracy:")[1] == result.stdout.split("Test accuracy:")[1]
     assert again.stdout.count("finished earlier, at step 66: nothing left to train") == 2
@@ -170,40 +173,19 @@ def test_beta_outside_fdg_is_refused(tmp_path):
 
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.train",
-            "--config.method=sgd",
-            "--workdir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = cli("--config.method=sgd", "--workdir", str(tmp_path), timeout=300)
     assert result.returncode == 2
     assert "config.method = 'sgd' is not valid" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_cli_says_how_to_get_a_missing_dataset(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments.train",
-            "--config",
-            "experiments/configs/cifar10_resnet56.py:smoke",
-            f"--config.data_dir={tmp_path}",
-            "--workdir",
-            str(tmp_path / "run"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    result = cli(
+        "--config",
+        "experiments/configs/cifar10_resnet56.py:smoke",
+        f"--config.data_dir={tmp_path}",
+        "--workdir",
+        str(tmp_path / "run"),
         timeout=300,
     )
     assert result.returncode == 2
