@@ -301,26 +301,39 @@ def train(
     return results
 
 
-class _Sums:
-    """Running sums of the train metrics the last stage reported (one step behind)."""
+class _Tally:
+    """Sums of the train metrics the last stage reported, over the epoch and over the
+    current log interval (JSON-able, so that a checkpoint can carry them)."""
 
-    def __init__(self, saved=None):
-        self.values = dict(saved or {})
+    def __init__(self, saved: dict[str, dict[str, float]] | None = None):
+        saved = saved or {}
+        self.epoch = dict(saved.get("epoch", {}))
+        self.interval = dict(saved.get("interval", {}))
 
     def add(self, reported: dict[str, Any]) -> None:
-        for name, value in reported.items():
-            if name != "batch":
-                self.values[name] = self.values.get(name, 0.0) + float(value)
-        if reported:
-            self.values["count"] = self.values.get("count", 0) + 1
+        if not reported:  # FDG while filling: no batch reached the loss yet
+            return
+        values = {name: float(v) for name, v in reported.items() if name != "batch"}
+        for sums in (self.epoch, self.interval):
+            for name, value in values.items():
+                sums[name] = sums.get(name, 0.0) + value
+            sums["count"] = sums.get("count", 0) + 1
 
-    def means(self, prefix="") -> dict[str, float]:
-        count = self.values.get("count", 0)
-        return {
-            f"{prefix}{name}": value / count
-            for name, value in self.values.items()
-            if name != "count" and count
-        }
+    @staticmethod
+    def _means(sums, prefix=""):
+        count = sums.get("count", 0)
+        return {f"{prefix}{k}": v / count for k, v in sums.items() if k != "count" and count}
+
+    def take_interval(self) -> dict[str, float]:
+        means, self.interval = self._means(self.interval), {}
+        return means
+
+    def take_epoch(self) -> dict[str, float]:
+        means, self.epoch = self._means(self.epoch, "train_"), {}
+        return means
+
+    def saved(self) -> dict[str, dict[str, float]]:
+        return {"epoch": dict(self.epoch), "interval": dict(self.interval)}
 
 
 def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream):
@@ -345,10 +358,10 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
     template = pipe.init(stream.batch(0))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")
     checkpoints = Checkpointer(os.path.join(run_dir, "checkpoints"), keep=config.keep_checkpoints)
-    state, sums, interval = template, _Sums(), _Sums()
+    state, tally = template, _Tally()
     if checkpoints.latest_step() is not None:
         state, extra = checkpoints.restore(pipe, template)
-        sums, interval = _Sums(extra["epoch_sums"]), _Sums(extra["interval_sums"])
+        tally = _Tally(extra["tally"])
         metrics.truncate(metrics_path, after_step=state.step)
         position = extra["data"]
         if state.step >= total_steps:
@@ -366,8 +379,7 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
             state,
             {
                 "config": config_to_json(config),
-                "epoch_sums": sums.values,
-                "interval_sums": interval.values,
+                "tally": tally.saved(),
                 "data": {"next_step": state.step, "epoch": epoch, "batch_in_epoch": position},
             },
         )
@@ -389,8 +401,7 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
         for batch in stream.iterate(state.step, total_steps):
             state, step_metrics = pipe.step(state, batch)
             if reported is not None:
-                sums.add(reported)
-                interval.add(reported)
+                tally.add(reported)
                 last_loss = float(reported["loss"]) if reported else last_loss
             reported = step_metrics
             step = state.step
@@ -402,20 +413,19 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
             )
             if not (epoch_end or log_due or save_due):
                 continue
-            sums.add(reported)
-            interval.add(reported)
+            tally.add(reported)
             reported = None
             if log_due or epoch_end:
-                if interval.values.get("count"):
-                    writer.write({"kind": "train", "step": step, **interval.means()})
-                interval = _Sums()
+                interval = tally.take_interval()
+                if interval:
+                    writer.write({"kind": "train", "step": step, **interval})
             if epoch_end:
                 pipe.check_finite(state)
                 record = {
                     "kind": "epoch",
                     "step": step,
                     "epoch": step // steps_per_epoch,
-                    **sums.means("train_"),
+                    **tally.take_epoch(),
                     **evaluate(pipe, state, test, dataset.eval_transform, config.eval_batch_size),
                     "seconds": time.perf_counter() - epoch_start,
                 }
@@ -426,7 +436,7 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
                     f"  epoch {record['epoch']:4d}  train loss {train_loss:.4f}  test accuracy "
                     f"{record['test_accuracy']:.4f}  ({record['seconds']:.1f} s)"
                 )
-                sums, epoch_start = _Sums(), time.perf_counter()
+                epoch_start = time.perf_counter()
             if save_due:
                 save()
     finally:
