@@ -2,7 +2,7 @@
 
     python -m experiments.train                                      # the default config
     python -m experiments.train --config experiments/configs/cifar10_resnet56.py \\
-        --config.method=ddg --config.beta=1 --workdir runs/r56_ddg
+        --config.method=ddg --workdir runs/r56_ddg
     python -m experiments.train --config experiments/configs/cifar10_resnet56.py:smoke
 
 The default config trains a small ResNet on scikit-learn's digits (offline) with

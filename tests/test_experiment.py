@@ -197,7 +197,7 @@ def test_cli_says_how_to_get_a_missing_dataset(tmp_path):
 def test_paper_configs_follow_the_authors(name):
     config = importlib.import_module(f"experiments.configs.{name}").get_config()
     assert config.dataset in ("cifar10", "cifar100")
-    assert config.method == "fdg" and config.split == "authors"
+    assert (config.method, config.beta, config.split) == ("fdg", 1.0, "authors")
     assert (config.batch_size, config.num_epochs) == (128, 300)
     optimizer = experiment.resolved_optimizer(config, "fdg")
     assert optimizer["learning_rate"] == 0.1 and optimizer["momentum"] == 0.9
@@ -212,6 +212,9 @@ def test_paper_configs_follow_the_authors(name):
     )
     dataset = data.Dataset(name, None, None, None, None, 10, (32, 32, 3))
     assert len(experiment.build_stages(smoke, smoke.num_stages, dataset)) == smoke.num_stages
+    for method in ("ddg", "bp"):  # --config.method=... alone gives a valid config
+        config.method = method
+        experiment.check_config(config)
 
 
 @pytest.mark.parametrize(

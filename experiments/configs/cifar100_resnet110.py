@@ -1,4 +1,4 @@
-"""CIFAR-100, ResNet-110: FDG paper's CIFAR-100 setting, K = 2; plain FDG.
+"""CIFAR-100, ResNet-110: FDG paper's CIFAR-100 setting, K = 2.
 
 The authors' recipe: SGD 0.1, momentum 0.9, weight decay 5e-4, batch 128, 300 epochs,
 lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
@@ -6,11 +6,11 @@ lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
     python -m experiments.train --workdir runs/cifar100_resnet110 \
         --config experiments/configs/cifar100_resnet110.py
     python -m experiments.train --workdir runs/cifar100_resnet110_ddg \
-        --config experiments/configs/cifar100_resnet110.py --config.method=ddg --config.beta=1
+        --config experiments/configs/cifar100_resnet110.py --config.method=ddg
 """
 
 from experiments.configs import common
 
 
 def get_config(variant: str = ""):
-    return common.paper("cifar100", "cifar_resnet", 110, num_stages=2, beta=1.0, variant=variant)
+    return common.paper("cifar100", "cifar_resnet", 110, num_stages=2, variant=variant)

@@ -1,4 +1,4 @@
-"""CIFAR-100, WRN-28-10: K = 2 (also split for K = 4); plain FDG.
+"""CIFAR-100, WRN-28-10: K = 2 (also split for K = 4).
 
 The authors' recipe: SGD 0.1, momentum 0.9, weight decay 5e-4, batch 128, 300 epochs,
 lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
@@ -6,13 +6,11 @@ lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
     python -m experiments.train --workdir runs/cifar100_wrn28_10 \
         --config experiments/configs/cifar100_wrn28_10.py
     python -m experiments.train --workdir runs/cifar100_wrn28_10_ddg \
-        --config experiments/configs/cifar100_wrn28_10.py --config.method=ddg --config.beta=1
+        --config experiments/configs/cifar100_wrn28_10.py --config.method=ddg
 """
 
 from experiments.configs import common
 
 
 def get_config(variant: str = ""):
-    return common.paper(
-        "cifar100", "wide_resnet", 28, num_stages=2, beta=1.0, widen=10, variant=variant
-    )
+    return common.paper("cifar100", "wide_resnet", 28, num_stages=2, widen=10, variant=variant)

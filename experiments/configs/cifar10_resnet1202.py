@@ -1,4 +1,4 @@
-"""CIFAR-10, ResNet-1202: split for K = 4 only; plain FDG (no best beta reported).
+"""CIFAR-10, ResNet-1202: split for K = 4 only.
 
 The authors' recipe: SGD 0.1, momentum 0.9, weight decay 5e-4, batch 128, 300 epochs,
 lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
@@ -6,11 +6,11 @@ lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
     python -m experiments.train --workdir runs/cifar10_resnet1202 \
         --config experiments/configs/cifar10_resnet1202.py
     python -m experiments.train --workdir runs/cifar10_resnet1202_ddg \
-        --config experiments/configs/cifar10_resnet1202.py --config.method=ddg --config.beta=1
+        --config experiments/configs/cifar10_resnet1202.py --config.method=ddg
 """
 
 from experiments.configs import common
 
 
 def get_config(variant: str = ""):
-    return common.paper("cifar10", "cifar_resnet", 1202, num_stages=4, beta=1.0, variant=variant)
+    return common.paper("cifar10", "cifar_resnet", 1202, num_stages=4, variant=variant)
