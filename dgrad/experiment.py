@@ -20,10 +20,13 @@ The config fields are documented in `experiments/configs/common.py`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import signal
+import threading
 import time
 from typing import Any, Callable
 
@@ -301,6 +304,32 @@ def train(
     return results
 
 
+class Stopped(Exception):
+    """Training stopped on request (SIGINT or SIGTERM) after saving a checkpoint."""
+
+    def __init__(self, run_dir: str, step: int, signal_number: int):
+        super().__init__(f"stopped at step {step}; the checkpoint is in {run_dir}/checkpoints")
+        self.run_dir, self.step, self.signal_number = run_dir, step, signal_number
+
+
+@contextlib.contextmanager
+def _stop_requests():
+    """Turns SIGINT / SIGTERM into a flag the loop checks between steps (main thread only),
+    so that a stopped run saves a checkpoint of a consistent state before it exits."""
+    requested = []
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, lambda number, frame: requested.append(number))
+    try:
+        yield requested
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class _Tally:
     """Sums of the train metrics the last stage reported, over the epoch and over the
     current log interval (JSON-able, so that a checkpoint can carry them)."""
@@ -397,7 +426,7 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
     )
     last_loss, epoch_start = None, time.perf_counter()
     reported = None  # the last step's metrics, read after the next step is dispatched
-    try:
+    with _stop_requests() as stop_requested, writer, progress:
         for batch in stream.iterate(state.step, total_steps):
             state, step_metrics = pipe.step(state, batch)
             if reported is not None:
@@ -411,7 +440,7 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
             save_due = epoch_end or (
                 config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
             )
-            if not (epoch_end or log_due or save_due):
+            if not (epoch_end or log_due or save_due or stop_requested):
                 continue
             tally.add(reported)
             reported = None
@@ -437,11 +466,11 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
                     f"{record['test_accuracy']:.4f}  ({record['seconds']:.1f} s)"
                 )
                 epoch_start = time.perf_counter()
-            if save_due:
+            if save_due or stop_requested:
                 save()
-    finally:
-        writer.close()
-        progress.close()
+            if stop_requested:
+                checkpoints.close()
+                raise Stopped(run_dir, step, stop_requested[0])
     pipe.check_finite(state)
     export.save(export.merge(pipe, state), os.path.join(run_dir, "model"))
     checkpoints.close()

@@ -77,3 +77,9 @@ class Progress:
         if self.interactive:
             self.stream.write("\n")
             self.stream.flush()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -73,6 +73,13 @@ def main(argv) -> int:
     except (ValueError, data.DatasetNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 2
+    except experiment.Stopped as stopped:
+        print(
+            f"\nStopped at step {stopped.step} after saving a checkpoint; run the same command "
+            f"with --workdir {os.path.abspath(workdir)} to resume.",
+            flush=True,
+        )
+        return 128 + stopped.signal_number
     print("\nTest accuracy:")
     for title, record in results.items():
         print(f"  {title:24s} {record['test_accuracy']:.4f}")
