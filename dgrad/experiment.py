@@ -16,6 +16,16 @@ Calling `train` again on the same workdir resumes every unfinished run from its
 newest checkpoint, bit for bit.
 
 The config fields are documented in `experiments/configs/common.py`.
+
+>>> import io, tempfile
+>>> from experiments.configs import default
+>>> config = default.get_config()  # digits, FDG on 2 stages (here shrunk to an MLP, 5 steps)
+>>> config.model.name, config.num_epochs, config.steps_per_epoch, config.baseline = "mlp", 1, 5, ""
+>>> quiet = dict(log=lambda line: None, progress_stream=io.StringIO())
+>>> results = train(config, tempfile.mkdtemp(), **quiet)
+>>> record = results["FDG K=2"]
+>>> record["epoch"], record["step"], 0 <= record["test_accuracy"] <= 1
+(1, 5, True)
 """
 
 from __future__ import annotations

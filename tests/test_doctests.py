@@ -32,6 +32,7 @@ MODULES = [
     "dgrad.export",
     "dgrad.metrics",
     "dgrad.progress",
+    "dgrad.experiment",
     "dgrad.timeline",
 ]
 
