@@ -379,6 +379,7 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
     steps_per_epoch = len(dataset.train) // config.batch_size
     if config.steps_per_epoch > 0:
         steps_per_epoch = min(steps_per_epoch, config.steps_per_epoch)
+    pipe = build_pipeline(config, run, dataset, steps_per_epoch, devices)
     stream = data.Stream(
         dataset.train,
         config.batch_size,
@@ -387,12 +388,12 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
         steps_per_epoch=steps_per_epoch,
         prefetch=config.prefetch,
         workers=config.data_workers,
+        device=pipe.devices[0],
     )
     test = (
         dataset.test if config.eval_examples < 0 else _Limited(dataset.test, config.eval_examples)
     )
     total_steps = config.num_epochs * steps_per_epoch
-    pipe = build_pipeline(config, run, dataset, steps_per_epoch, devices)
     log(f"\n{run.title}: {pipe}")
     template = pipe.init(stream.batch(0))
     metrics_path = os.path.join(run_dir, "metrics.jsonl")

@@ -128,3 +128,17 @@ def test_a_missing_dataset_says_how_to_prepare_it(tmp_path):
         data.load("imagenet2012", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="Unknown dataset"):
         data.load("mnist")
+
+
+def test_stream_can_place_batches_on_a_device_ahead_of_time():
+    import jax
+
+    source = data.synthetic(32, (4, 4, 3), seed=0)
+    transform = augment.cifar_eval((0.5,) * 3, (0.25,) * 3)
+    device = jax.devices()[2]
+    stream = data.Stream(source, 8, transform=transform, seed=0, device=device)
+    for step, (x, y) in enumerate(stream.iterate(0, 3)):
+        assert x.devices() == {device} and y.devices() == {device}
+        expected = stream.batch(step)
+        np.testing.assert_array_equal(np.asarray(x), expected[0])
+        np.testing.assert_array_equal(np.asarray(y), expected[1])

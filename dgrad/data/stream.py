@@ -45,6 +45,8 @@ class Stream:
         fewer makes shorter epochs, each still a fresh permutation.
       prefetch: batches prepared ahead of the consumer.
       workers: threads preparing them (decoding and augmentation release the GIL).
+      device: if given, `iterate` also copies each batch to this device ahead of
+        time (the device of the first stage), so the copy overlaps the training.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class Stream:
         steps_per_epoch: int | None = None,
         prefetch: int = 4,
         workers: int = 2,
+        device=None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}.")
@@ -79,6 +82,7 @@ class Stream:
             )
         self.steps_per_epoch = steps_per_epoch or full
         self.prefetch, self.workers = max(1, prefetch), max(1, workers)
+        self.device = device
         self._order_epoch, self._order = None, None
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -99,6 +103,14 @@ class Stream:
         images, labels = self.source.get(indices)
         return self.transform(images, labels, np.random.default_rng([self.seed, step, 1]))
 
+    def _prepare(self, step: int, indices: np.ndarray):
+        batch = self.batch(step, indices)
+        if self.device is None:
+            return batch
+        import jax
+
+        return jax.device_put(batch, self.device)
+
     def iterate(self, start: int = 0, stop: int | None = None) -> Iterator:
         """Batches `start, start+1, ...` (up to `stop`), `prefetch` of them prepared ahead."""
         steps = iter(range(start, stop) if stop is not None else _count(start))
@@ -108,7 +120,7 @@ class Stream:
             def submit():
                 step = next(steps, None)
                 if step is not None:
-                    ahead.append(pool.submit(self.batch, step, self.indices(step)))
+                    ahead.append(pool.submit(self._prepare, step, self.indices(step)))
 
             for _ in range(self.prefetch):
                 submit()
