@@ -102,9 +102,12 @@ def check_config(config: ml_collections.ConfigDict) -> None:
         fail("method", config.method, f"choose one of {METHODS}")
     if config.baseline not in ("", "bp"):
         fail("baseline", config.baseline, "use 'bp' (fused backprop beside the run) or ''")
-    for field in ("num_stages", "batch_size", "num_epochs", "eval_batch_size"):
+    positive = ("num_stages", "batch_size", "num_epochs", "eval_batch_size", "log_every_steps")
+    for field in (*positive, "keep_checkpoints", "prefetch", "data_workers"):
         if not isinstance(config[field], int) or config[field] < 1:
             fail(field, config[field], "use a positive integer")
+    if not isinstance(config.checkpoint_every_steps, int) or config.checkpoint_every_steps < 0:
+        fail("checkpoint_every_steps", config.checkpoint_every_steps, "use 0 (epoch ends) or more")
     if not 0 < config.beta <= 1:
         fail("beta", config.beta, "gradient shrinking needs 0 < beta <= 1")
     if config.method != "fdg" and config.beta != 1:

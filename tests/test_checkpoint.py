@@ -81,6 +81,19 @@ def test_resume_is_bit_identical_on_another_layout(
     assert_states_equal(run(fresh, restored, data[SAVE_AT:]), uninterrupted)
 
 
+def test_fused_backprop_resumes_bit_identically(tmp_path):
+    data = batches("cnn", STEPS)
+    pipe = make_pipeline("cnn", 1, method="bp", fused=True)
+    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state)
+    uninterrupted = run(pipe, state, data[SAVE_AT:])
+    fresh = make_pipeline("cnn", 1, devices=jax.devices()[2:3], method="bp", fused=True)
+    with Checkpointer(tmp_path) as checkpoints:
+        restored, _ = checkpoints.restore(fresh, fresh.init(data[0]))
+    assert_states_equal(run(fresh, restored, data[SAVE_AT:]), uninterrupted)
+
+
 def test_restores_onto_one_device(tmp_path):
     data = batches("mlp", STEPS)
     pipe = make_pipeline("mlp", 3, method="fdg")

@@ -201,6 +201,8 @@ def test_resuming_with_another_config_names_the_fields(tmp_path, monkeypatch):
         ("num_stages", 0, "positive integer"),
         ("beta", 1.5, "0 < beta <= 1"),
         ("baseline", "ddg", "'bp'"),
+        ("keep_checkpoints", 0, "positive integer"),
+        ("checkpoint_every_steps", -1, "0 \\(epoch ends\\) or more"),
     ],
 )
 def test_bad_config_values_name_the_field(tmp_path, field, value, message):
