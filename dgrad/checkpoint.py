@@ -95,11 +95,7 @@ def unflatten_state(
     template: PipelineState, arrays: dict[str, jax.Array], layout: dict[str, Any]
 ) -> PipelineState:
     """Rebuilds a state from `flatten_state`'s output; `template` gives the tree structures."""
-    if len(layout["stages"]) != len(template.stages):
-        raise ValueError(
-            f"The checkpoint holds {len(layout['stages'])} stages but this pipeline has "
-            f"{len(template.stages)}; resume with the same number of stages."
-        )
+    _check_num_stages(layout, len(template.stages))
 
     def take(prefix, treedef=None):
         names = sorted(n for n in arrays if n.startswith(prefix + "."))
@@ -148,6 +144,14 @@ def unflatten_state(
         messages["cotangents"],
         arrays["finite"],
     )
+
+
+def _check_num_stages(layout: dict[str, Any], num_stages: int) -> None:
+    if len(layout["stages"]) != num_stages:
+        raise ValueError(
+            f"The checkpoint holds {len(layout['stages'])} stages but this pipeline has "
+            f"{num_stages}; resume with the same number of stages."
+        )
 
 
 def _stage_of(name: str, num_stages: int) -> int:
@@ -226,12 +230,8 @@ class Checkpointer:
         every array goes to the device `pipe` places its stage on.
         """
         step = self._require(step)
-        saved_stages = len(self._meta(step)["layout"]["stages"])
-        if saved_stages != pipe.num_stages:
-            raise ValueError(
-                f"The checkpoint at step {step} holds {saved_stages} stages but this pipeline "
-                f"has {pipe.num_stages}; resume with the same number of stages."
-            )
+        meta = self._meta(step)
+        _check_num_stages(meta["layout"], pipe.num_stages)  # before the shapes, to say why
         metadata = self._manager.item_metadata(step)["state"].tree
         _check_shapes(template, metadata)
         abstract = {
@@ -245,12 +245,8 @@ class Checkpointer:
             for name, info in metadata.items()
         }
         restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
+            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
         )
-        meta = restored["meta"]
         return unflatten_state(template, dict(restored["state"]), meta["layout"]), meta["extra"]
 
     def _require(self, step: int | None) -> int:

@@ -352,14 +352,16 @@ class _Tally:
         self.epoch = dict(saved.get("epoch", {}))
         self.interval = dict(saved.get("interval", {}))
 
-    def add(self, reported: dict[str, Any]) -> None:
+    def add(self, reported: dict[str, Any]) -> dict[str, float]:
+        """Adds one step's device metrics (reading them to the host); returns them as floats."""
         if not reported:  # FDG while filling: no batch reached the loss yet
-            return
+            return {}
         values = {name: float(v) for name, v in reported.items() if name != "batch"}
         for sums in (self.epoch, self.interval):
             for name, value in values.items():
                 sums[name] = sums.get(name, 0.0) + value
             sums["count"] = sums.get("count", 0) + 1
+        return values
 
     @staticmethod
     def _means(sums, prefix=""):
@@ -444,8 +446,7 @@ def _train_run(config, run: Run, dataset, run_dir, devices, log, progress_stream
         for batch in stream.iterate(state.step, total_steps):
             state, step_metrics = pipe.step(state, batch)
             if reported is not None:
-                tally.add(reported)
-                last_loss = float(reported["loss"]) if reported else last_loss
+                last_loss = tally.add(reported).get("loss", last_loss)
             reported = step_metrics
             step = state.step
             progress.update(step, last_loss)
