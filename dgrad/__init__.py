@@ -1,19 +1,29 @@
-"""dgrad: train stage-split Flax models across devices with delayed gradients (DDG, FDG)."""
+"""dgrad: train stage-split Flax models across devices with delayed gradients (DDG, FDG).
 
-from dgrad import losses, models, optim
-from dgrad.pipeline import Pipeline, PipelineState
-from dgrad.placement import place_stages
-from dgrad.schedule import METHODS, Schedule
+The names below are imported when first used, so that `import dgrad` (and the
+command line deciding that a run is already finished) stays fast.
+"""
 
-__version__ = "0.1.0"
+import importlib
 
-__all__ = [
-    "Pipeline",
-    "PipelineState",
-    "Schedule",
-    "METHODS",
-    "place_stages",
-    "losses",
-    "models",
-    "optim",
-]
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "METHODS": "dgrad.options",
+    "Options": "dgrad.options",
+    "Pipeline": "dgrad.pipeline",
+    "PipelineState": "dgrad.pipeline",
+    "Placement": "dgrad.placement",
+    "Schedule": "dgrad.schedule",
+}
+_SUBMODULES = ("data", "losses", "models", "optim", "reference", "train")
+
+__all__ = [*_EXPORTS, *_SUBMODULES]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dgrad.{name}")
+    raise AttributeError(f"module 'dgrad' has no attribute {name!r}")

@@ -1,11 +1,12 @@
-"""The pipeline engine: BP, DDG and FDG over stages placed on devices.
+"""The pipeline engine: BP, DDG and FDG over stages placed on device groups.
 
-A `Pipeline` holds the compiled per-stage functions; a `PipelineState` holds
-everything that changes: each stage's parameters, non-parameter state and
-optimizer state, the records each stage keeps for its delayed backward, and
-the activations and cotangents in flight between stages. `step` is a pure
-state transition that only dispatches work: every value stays on its device
-and nothing waits for the host.
+A `Pipeline` holds the compiled per-stage functions and describes the
+timetable; a `PipelineState` holds everything that changes: each stage's
+parameters, non-parameter state and optimizer state, the records each stage
+keeps for its delayed backwards, and the activations and cotangents in flight
+between stages. `step` is a pure state transition that only dispatches work:
+every value stays on its devices and nothing waits for the host. Where values
+live and how they move is the `Placement`'s business.
 
 >>> import jax, jax.numpy as jnp, optax
 >>> from dgrad import models
@@ -21,8 +22,9 @@ and nothing waits for the host.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Sequence
+import copy
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,32 +33,31 @@ import optax
 from flax import nnx, struct
 
 from dgrad import losses
-from dgrad.optim import check_beta, shrink
+from dgrad.optim import shrink
 from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.optim.prediction import momentum_of
-from dgrad.placement import place_stages
-from dgrad.schedule import Schedule, check_method
-from dgrad.stage import LossFn, StageFunctions
-
-WEIGHT_POLICIES = ("stash", "current")
-MEMORY_POLICIES = ("residuals", "recompute")
+from dgrad.options import Options
+from dgrad.placement import Placement, share
+from dgrad.schedule import Schedule
+from dgrad.stage import LossFn, Record, Residuals, StageFunctions
 
 
 @struct.dataclass
-class Pending:
-    """What a stage keeps from the forward of `batch` for its delayed backward.
+class StageState:
+    """One stage's state: weights, statistics, optimizer state, and the records it keeps
+    (`kept[i]` for the forward of batch `kept_batches[i]`, oldest first)."""
 
-    With `memory="residuals"`, `residuals` (the VJP's saved values); with
-    `"recompute"`, `inputs` and, under `weights="stash"`, the `rest` that the
-    forward used. Under `weights="stash"` also the forward's `params` (for the
-    recomputation, and as the stale weights for delay compensation).
-    """
+    params: Any
+    rest: Any
+    opt_state: Any
+    kept: tuple[Record, ...] = ()
+    kept_batches: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
-    batch: int = struct.field(pytree_node=False)
-    residuals: Any = None
-    inputs: Any = None
-    params: Any = None
-    rest: Any = None
+    def keep(self, record: Record, batch: int) -> StageState:
+        return self.replace(kept=self.kept + (record,), kept_batches=self.kept_batches + (batch,))
+
+    def drop_oldest(self) -> StageState:
+        return self.replace(kept=self.kept[1:], kept_batches=self.kept_batches[1:])
 
 
 @struct.dataclass
@@ -69,20 +70,12 @@ class Message:
 
 
 @struct.dataclass
-class StageState:
-    params: Any
-    rest: Any
-    opt_state: Any
-    pending: tuple[Pending, ...] = ()
-
-
-@struct.dataclass
 class PipelineState:
     """Everything a pipeline carries from one step to the next.
 
     Attributes:
       step: how many batches `step` has consumed.
-      stages: one `StageState` per stage, on its device.
+      stages: one `StageState` per stage, on its devices.
       activations: `activations[k]` is the input waiting for stage k (FDG).
       cotangents: `cotangents[k]` is the cotangent waiting for stage k.
       finite: False once any loss was NaN or infinite (see `Pipeline.check_finite`).
@@ -95,12 +88,23 @@ class PipelineState:
     finite: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """Shapes of what stage k receives, sends and keeps (global shapes, whole batch)."""
+
+    inputs: jax.ShapeDtypeStruct
+    outputs: jax.ShapeDtypeStruct | None  # None for the last stage
+    record: Record | None  # of ShapeDtypeStructs; None for the last stage
+    residual_treedef: Any = None  # see StageFunctions.residual_treedef
+
+
 def _shape_dtype(a) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a))
 
 
-def _spec(tree):
-    return jax.tree.map(lambda a: f"{_shape_dtype(a).dtype}{list(_shape_dtype(a).shape)}", tree)
+def _abstract(tree, sharding):
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s placed by `sharding`."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
 
 
 def _split_batch(batch):
@@ -114,31 +118,18 @@ def _split_batch(batch):
 
 
 class Pipeline:
-    """Trains a list of NNX stages with BP, DDG or FDG.
+    """Trains a list of NNX stages with BP, DDG or FDG on groups of devices.
 
     Args:
       stages: the model as a list of initialised `flax.nnx.Module`s; stage k's
         output is stage k+1's input, the last stage's output goes to `loss_fn`.
-      method: `"bp"` (backprop; stage by stage, or `fused=True` for one jitted
-        step on one device), `"ddg"` (decoupled backward, Huo et al. 2018) or
-        `"fdg"` (fully decoupled, Zhuang et al. 2019). `dgrad.schedule` fixes the timing.
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
-      beta: FDG gradient shrinking: stage k's gradient is scaled by
-        `beta ** (K-1-k)` before its optimizer (so weight decay is not shrunk).
-      weights: `"stash"` back-propagates each batch with the weights its
-        forward used; `"current"` with the stage's weights at backward time.
-      memory: `"residuals"` keeps the forward's VJP residuals until the
-        backward; `"recompute"` keeps the stage input and recomputes.
-      devices, placement: where the stages run, see `dgrad.placement.place_stages`.
-      loss_fn: `(outputs, labels) -> (loss, metrics)` for the last stage.
-      fused: with `method="bp"`, run the whole step as one jitted function
-        (all stages must then share one device).
-      predict_lr: forward with weights predicted as far ahead as the stage's
-        weight staleness tau_k: `w - tau_k * predict_lr * momentum` (SpecTrain
-        weight prediction, `dgrad.optim.predict_weights`); under
-        `weights="stash"` the backward uses the same predicted weights. Needs an
-        optimizer with momentum; set it to the optimizer's learning rate.
+      method, beta, weights, memory, fused, predict_lr, data_parallel: the
+        training options, see `dgrad.options.Options` (also for what they mean).
+      devices, placement: which devices, and how stages (and their
+        `data_parallel` replicas) map onto them; see `dgrad.placement.Placement`.
+      loss_fn: `(outputs, labels) -> (mean loss, metrics)` for the last stage.
     """
 
     def __init__(
@@ -150,141 +141,158 @@ class Pipeline:
         beta: float = 1.0,
         weights: str = "stash",
         memory: str = "residuals",
-        devices: Sequence[jax.Device] | None = None,
-        placement: str | Sequence[int] = "spread",
-        loss_fn: LossFn = losses.softmax_cross_entropy,
         fused: bool = False,
         predict_lr: float | None = None,
+        data_parallel: int = 1,
+        devices: Sequence[jax.Device] | None = None,
+        placement: str | Sequence = "spread",
+        loss_fn: LossFn = losses.softmax_cross_entropy,
     ):
         if isinstance(stages, nnx.Module) or not isinstance(stages, Sequence) or not stages:
             raise TypeError(
                 "stages must be a non-empty list of flax.nnx.Module stages (a single module "
                 "is a one-stage pipeline: pass [module])."
             )
-        self.method = check_method(method)
-        self.beta = check_beta(beta)
-        if method != "fdg" and self.beta != 1.0:
-            raise ValueError(
-                f"beta={beta} asks for gradient shrinking, which is part of FDG; use "
-                f"method='fdg' or leave beta at 1.0 for method={method!r}."
-            )
-        if weights not in WEIGHT_POLICIES:
-            raise ValueError(
-                f"Unknown weights policy {weights!r}; choose one of {WEIGHT_POLICIES}."
-            )
-        if memory not in MEMORY_POLICIES:
-            raise ValueError(f"Unknown memory policy {memory!r}; choose one of {MEMORY_POLICIES}.")
-        if weights == "current" and memory == "residuals":
-            raise ValueError(
-                "weights='current' needs memory='recompute': residuals kept from the forward "
-                "hold the old weights, so the backward would mix stale activations with live "
-                "weights; use weights='stash' to keep residuals."
-            )
-        self.weights, self.memory = weights, memory
+        self.options = Options(
+            method=method,
+            beta=beta,
+            weights=weights,
+            memory=memory,
+            fused=fused,
+            predict_lr=predict_lr,
+            data_parallel=data_parallel,
+        )
         self.num_stages = len(stages)
         self.schedule = Schedule(method, self.num_stages)
-        self.devices = place_stages(self.num_stages, devices, placement)
-        if fused and method != "bp":
-            raise ValueError(
-                f"fused=True is a form of backprop; it needs method='bp', not {method!r}."
-            )
-        if fused and len(set(self.devices)) > 1:
-            raise ValueError(
-                "fused=True runs the whole step as one function on one device, but the stages "
-                f"are placed on {len(set(self.devices))} devices; pass one device "
-                "(devices=[jax.devices()[0]]) or fused=False for stage-by-stage backprop."
-            )
-        self.fused = fused
-        if predict_lr is not None and not (isinstance(predict_lr, (int, float)) and predict_lr > 0):
-            raise ValueError(
-                f"predict_lr must be a positive learning rate (or None for no weight "
-                f"prediction), got {predict_lr!r}."
-            )
-        self.predict_lr = None if predict_lr is None else float(predict_lr)
+        self.placement = Placement(
+            self.num_stages, devices, placement, data_parallel=data_parallel, fused=fused
+        )
         self.loss_fn = loss_fn
-        # Records holding stashed parameters must outlive the update that
-        # replaces them, so only donate parameters no record can refer to.
-        keeps_params = self._keeps_params = method != "bp" and weights == "stash"
+        last = self.num_stages - 1
         self.stages = [
             StageFunctions(
                 module,
                 self._stage_optimizer(optimizer, k),
+                options=self.options,
                 first=k == 0,
-                loss_fn=loss_fn if k == self.num_stages - 1 else None,
-                donate_params=not keeps_params,
+                loss_fn=loss_fn if k == last else None,
+                staleness=self.schedule.weight_staleness(k),
+                replicated=self.placement.replicated(k),
+                sharded=self.placement.sharded(k),
             )
             for k, module in enumerate(stages)
         ]
-        self._fused_step = jax.jit(self._fused_step_fn, donate_argnums=(0, 2)) if fused else None
-        self._fused_step_undonated = jax.jit(self._fused_step_fn) if fused else None  # tracing
-        self._loss = jax.jit(loss_fn)
-        self._batch_spec = None
-        self._timeline = None
+        self._calls = [fns.jitted() for fns in self.stages]
+        if fused:
+            self._calls[0]["fused_step"] = jax.jit(self._fused_step, donate_argnums=(0, 2))
+        self._evaluation_sums = jax.jit(self._evaluation_sums_fn)
+        self._batch_shapes, self._specs = None, None
 
     def _stage_optimizer(self, optimizer: Optimizer, k: int) -> optax.GradientTransformation:
         tx = for_stage(optimizer, k)
-        if self.method == "fdg":
-            tx = optax.chain(shrink(self.beta, self.schedule.shrink_depth(k)), tx)
+        if self.options.shrinks:
+            tx = optax.chain(shrink(self.options.beta, self.schedule.shrink_depth(k)), tx)
         return tx
 
+    method = property(lambda self: self.options.method)
+    beta = property(lambda self: self.options.beta)
+    weights = property(lambda self: self.options.weights)
+    memory = property(lambda self: self.options.memory)
+    fused = property(lambda self: self.options.fused)
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The first device of each stage's group."""
+        return self.placement.devices
+
     def __repr__(self):
+        o = self.options
         return (
-            f"Pipeline(method={self.method!r}, num_stages={self.num_stages}, beta={self.beta}, "
-            f"weights={self.weights!r}, memory={self.memory!r}, devices={self.devices})"
+            f"Pipeline(method={o.method!r}, num_stages={self.num_stages}, beta={o.beta}, "
+            f"weights={o.weights!r}, memory={o.memory!r}, {self.placement})"
         )
+
+    def observed(self, wrap: Callable[[int, str, Callable], Callable]) -> Pipeline:
+        """A view of this pipeline whose stage functions are `wrap(k, name, function)`.
+
+        The functions are copies that donate no buffers, so a watcher may hold on
+        to their inputs and outputs (see `dgrad.timeline`). The view shares
+        everything else with this pipeline and takes its states.
+        """
+        view = copy.copy(self)
+        view._calls = []
+        for k, fns in enumerate(self.stages):
+            functions = fns.undonated()
+            if self.fused and k == 0:
+                functions["fused_step"] = jax.jit(self._fused_step)
+            view._calls.append({name: wrap(k, name, fn) for name, fn in functions.items()})
+        return view
 
     # ------------------------------------------------------------------ init
 
     def init(self, example_batch) -> PipelineState:
-        """Places each stage's state on its device and checks the stages fit together.
+        """Places each stage's state on its devices and checks that the stages fit together.
 
         `example_batch` is an `(inputs, labels)` pair; every later batch must have
         its shapes and dtypes.
         """
         inputs, labels = _split_batch(example_batch)
-        self._batch_spec = _spec((inputs, labels))
-        shape = _shape_dtype(inputs)
-        for k, fns in enumerate(self.stages):
-            try:
-                if k == self.num_stages - 1:
-                    jax.eval_shape(
-                        fns._loss_and_backward, fns.params, fns.rest, shape, _shape_dtype(labels)
-                    )
-                else:
-                    # Tracing `forward_keep` also fixes the residuals' structure, which a
-                    # state restored from a checkpoint needs before its first forward.
-                    forward = fns.forward_keep if self.memory == "residuals" else fns.forward
-                    shape = jax.eval_shape(forward, fns.params, fns.rest, shape)[0]
-            except Exception as error:  # noqa: BLE001 -- re-raised with the stage named
-                raise ValueError(
-                    f"Stage {k} of {self.num_stages} cannot take input of shape {shape.shape} "
-                    f"and dtype {shape.dtype} (from "
-                    f"{'the batch' if k == 0 else f'stage {k - 1}'}); check where the model "
-                    f"was split. Error: {error}"
-                ) from error
+        self.placement.check_batch_size(np.shape(inputs)[0])
+        self._batch_shapes = (_shape_dtype(inputs), _shape_dtype(labels))
+        self._specs = self._stage_specs(*self._batch_shapes)
         stages = []
-        for fns, device in zip(self.stages, self.devices):
-            # Copies, so that donation never deletes the arrays of the user's modules.
-            params, rest = jax.device_put((fns.params, fns.rest), device, may_alias=False)
-            opt_state = jax.device_put(fns.optimizer.init(params), device, may_alias=False)
-            stages.append(StageState(params, rest, opt_state))
-        if self.predict_lr is not None:
+        for k, fns in enumerate(self.stages):
+            params, rest = self.placement.put((fns.params, fns.rest), k)
+            init = jax.jit(fns.optimizer.init, out_shardings=self.placement.replicated(k))
+            stages.append(StageState(params, rest, init(params)))
+        if self.options.predict_lr is not None:
             for k, stage in enumerate(stages):
                 if self.schedule.weight_staleness(k) > 0:
                     momentum_of(stage.opt_state)  # raises if the optimizer has no momentum
         none = (None,) * self.num_stages
-        finite = jax.device_put(jnp.array(True), self.devices[-1])
+        finite = self.placement.put(jnp.array(True), self.num_stages - 1)
         return PipelineState(0, tuple(stages), none, none, finite)
 
+    def _stage_specs(self, inputs, labels) -> list[StageSpec]:
+        specs, shape = [], inputs
+        for k, fns in enumerate(self.stages):
+            source = "the batch" if k == 0 else f"stage {k - 1}"
+            try:
+                if k == self.num_stages - 1:
+                    jax.eval_shape(fns._loss_and_backward, fns.params, fns.rest, shape, labels)
+                    specs.append(StageSpec(shape, None, None))
+                else:
+                    opt_state = jax.eval_shape(fns.optimizer.init, fns.params)
+                    outputs, _, record = jax.eval_shape(
+                        fns._forward, fns.params, fns.rest, opt_state, shape
+                    )
+                    treedef = None
+                    if isinstance(record, Residuals):
+                        treedef = fns.residual_treedef(fns.params, fns.rest, shape)
+                    specs.append(StageSpec(shape, outputs, record, treedef))
+                    shape = outputs
+            except Exception as error:  # noqa: BLE001 -- re-raised with the stage named
+                raise ValueError(
+                    f"Stage {k} of {self.num_stages} cannot take input of shape {shape.shape} "
+                    f"and dtype {shape.dtype} (from {source}); check where the model was split. "
+                    f"Error: {error}"
+                ) from error
+        return specs
+
     def _check_batch(self, batch):
-        if self._batch_spec is None:
+        if self._batch_shapes is None:
             raise RuntimeError("Call pipe.init(example_batch) before pipe.step.")
-        got = _spec(_split_batch(batch))
-        if got != self._batch_spec:
+        batch = _split_batch(batch)
+        got = tuple(_shape_dtype(a) for a in batch)
+        if got != self._batch_shapes:
+
+            def describe(shapes):
+                return ", ".join(f"{s.dtype}{list(s.shape)}" for s in shapes)
+
             raise ValueError(
-                f"This batch's (inputs, labels) are {got}, but init saw {self._batch_spec}; every "
-                "batch must match (drop the last partial batch, or pad it, and cast to the same "
-                "dtype)."
+                f"This batch's (inputs, labels) are ({describe(got)}), but init saw "
+                f"({describe(self._batch_shapes)}); every batch must match (drop the last "
+                "partial batch, or pad it, and cast to the same dtype)."
             )
         return batch
 
@@ -298,145 +306,96 @@ class Pipeline:
         reports) plus `batch`, that batch's index in the stream. While an FDG
         pipeline fills, the last stage has no batch yet and the metrics are `{}`.
         """
-        inputs, labels = self._check_batch(batch)
-        inputs, labels = jax.device_put((inputs, labels), self.devices[0])
+        inputs, labels = self.placement.put_batch(self._check_batch(batch), 0)
         if self.fused:
             return self._step_fused(state, inputs, labels)
-        return {"bp": self._step_bp, "ddg": self._step_ddg, "fdg": self._step_fdg}[self.method](
-            state, inputs, labels
-        )
+        step = {"bp": self._step_bp, "ddg": self._step_ddg, "fdg": self._step_fdg}[self.method]
+        return step(state, inputs, labels)
 
-    def _run(self, k, name, batch, *args):
-        """Calls stage k's jitted `name`, and shows it to the timeline when tracing."""
-        fns = self.stages[k]
-        if self._timeline is None:
-            return getattr(fns, name)(*args)
-        fn = fns.undonated(name) if name in fns.DONATING else getattr(fns, name)
-        outputs = fn(*args)
-        self._timeline.record(self.devices[k], k, name, batch, args, outputs)
-        return outputs
+    def _move(self, value, src: int, dst: int):
+        return self.placement.move(value, src, dst)
 
-    @contextlib.contextmanager
-    def trace(self, timeline):
-        """Records every stage function run inside the block into `timeline`.
+    def _forward(self, k: int, stage: StageState, x, batch: int) -> tuple[Any, StageState]:
+        y, rest, record = self._calls[k]["forward"](stage.params, stage.rest, stage.opt_state, x)
+        return y, stage.replace(rest=rest).keep(record, batch)
 
-        See `dgrad.timeline.Timeline`; the timeline is closed when the block ends.
-        """
-        self._timeline = timeline
-        try:
-            yield timeline
-        finally:
-            self._timeline = None
-            timeline.close()
-
-    def _put(self, value, k):
-        return jax.device_put(value, self.devices[k])
-
-    def _forward(self, k, stage: StageState, x, batch: int):
-        """Stage k forwards `x`; returns its output and the stage with the record kept."""
-        params, stash = stage.params, self.weights == "stash"
-        tau = self.schedule.weight_staleness(k)
-        if self.predict_lr is not None and tau > 0:
-            params = self._run(
-                k, "predict_weights", batch, params, stage.opt_state, tau, self.predict_lr
-            )
-        if self.memory == "residuals":
-            y, rest, residuals = self._run(k, "forward_keep", batch, params, stage.rest, x)
-            record = Pending(batch, residuals=residuals, params=params if stash else None)
-        else:
-            y, rest = self._run(k, "forward", batch, params, stage.rest, x)
-            record = Pending(
-                batch,
-                inputs=x,
-                params=params if stash else None,
-                rest=stage.rest if stash else None,
-            )
-        return y, stage.replace(rest=rest, pending=stage.pending + (record,))
-
-    def _backward_and_update(self, k, stage: StageState, cotangent: Message):
-        """Stage k back-propagates its oldest record and updates; returns the input cotangent."""
-        record, pending = stage.pending[0], stage.pending[1:]
-        if record.batch != cotangent.batch:
-            raise AssertionError(
-                f"stage {k} holds batch {record.batch} but received the cotangent of batch "
-                f"{cotangent.batch}; the pipeline state is corrupt"
-            )
-        if record.residuals is not None:
-            grads, input_cotangent = self._run(
-                k, "backward_kept", record.batch, record.residuals, cotangent.value
-            )
-        else:
-            params, rest = (
-                (record.params, record.rest)
-                if record.params is not None
-                else (stage.params, stage.rest)
-            )
-            grads, input_cotangent = self._run(
-                k, "backward_recompute", record.batch, params, rest, record.inputs, cotangent.value
-            )
-        # The weights the gradient was taken at, for transforms that compensate
-        # staleness; None means the current ones (and lets `update` donate them).
-        stale = record.params if self._keeps_params else None
-        params, opt_state = self._run(
-            k, "update", record.batch, stage.params, stage.opt_state, grads, stale
-        )
-        return stage.replace(params=params, opt_state=opt_state, pending=pending), input_cotangent
-
-    def _loss_and_update(self, state: PipelineState, stage: StageState, x, labels, batch: int):
-        """The last stage: loss, backward and update in one dispatch."""
-        k = self.num_stages - 1
-        params, opt_state, rest, cotangent, metrics, finite = self._run(
-            k,
-            "loss_step",
-            batch,
+    def _step_stage(self, k: int, stage: StageState, received: Message, x, batch: int):
+        """Stage k's backward + update of `received`'s batch and forward of `x`, one call."""
+        self._check_record(k, stage, received)
+        params, rest, opt_state, cotangent, y, record = self._calls[k]["step"](
             stage.params,
             stage.rest,
             stage.opt_state,
+            stage.kept[0],
+            received.value,
             x,
-            labels,
-            state.finite,
+            self._specs[k].residual_treedef,
+        )
+        stage = stage.replace(params=params, rest=rest, opt_state=opt_state).drop_oldest()
+        return y, stage.keep(record, batch), self._cotangent_for(k, received.batch, cotangent)
+
+    def _backward_update(self, k: int, stage: StageState, received: Message):
+        self._check_record(k, stage, received)
+        params, opt_state, cotangent = self._calls[k]["backward_update"](
+            stage.params,
+            stage.rest,
+            stage.opt_state,
+            stage.kept[0],
+            received.value,
+            self._specs[k].residual_treedef,
+        )
+        stage = stage.replace(params=params, opt_state=opt_state).drop_oldest()
+        return stage, self._cotangent_for(k, received.batch, cotangent)
+
+    def _cotangent_for(self, k: int, batch: int, cotangent) -> Message | None:
+        """The message stage k sends stage k-1 with its input cotangent (none from stage 0)."""
+        return None if k == 0 else Message(batch, self._move(cotangent, k, k - 1))
+
+    @staticmethod
+    def _check_record(k: int, stage: StageState, received: Message) -> None:
+        if not stage.kept_batches or stage.kept_batches[0] != received.batch:
+            raise AssertionError(
+                f"stage {k} holds batches {stage.kept_batches} but received the cotangent of "
+                f"batch {received.batch}; the pipeline state is corrupt"
+            )
+
+    def _loss_step(self, stage: StageState, x, labels, batch: int, finite):
+        """The last stage: loss, backward and update in one dispatch."""
+        k = self.num_stages - 1
+        params, opt_state, rest, cotangent, metrics, finite = self._calls[k]["loss_step"](
+            stage.params, stage.rest, stage.opt_state, x, labels, finite
         )
         stage = stage.replace(params=params, rest=rest, opt_state=opt_state)
-        sent = None if k == 0 else Message(batch, self._put(cotangent, k - 1))
-        return stage, sent, finite, {**metrics, "batch": batch}
+        return stage, self._cotangent_for(k, batch, cotangent), finite, {**metrics, "batch": batch}
 
-    def _forward_in_order(self, state, x, labels):
-        """BP and DDG: every stage forwards batch t in turn; the last takes its loss and updates.
-
-        Returns the stage states, the cotangent the last stage sends, the finite
-        flag and the metrics.
-        """
+    def _step_bp(self, state, x, labels):
         t, last = state.step, self.num_stages - 1
         stages = list(state.stages)
         for k in range(last):
             y, stages[k] = self._forward(k, stages[k], x, t)
-            x = self._put(y, k + 1)
-        stages[last], sent, finite, metrics = self._loss_and_update(
-            state, stages[last], x, self._put(labels, last), t
+            x = self._move(y, k, k + 1)
+        stages[last], sent, finite, metrics = self._loss_step(
+            stages[last], x, self._move(labels, 0, last), t, state.finite
         )
-        return stages, sent, finite, metrics
-
-    def _step_bp(self, state, x, labels):
-        t, last = state.step, self.num_stages - 1
-        stages, sent, finite, metrics = self._forward_in_order(state, x, labels)
         for k in reversed(range(last)):
-            stages[k], cotangent = self._backward_and_update(k, stages[k], sent)
-            sent = None if k == 0 else Message(t, self._put(cotangent, k - 1))
+            stages[k], sent = self._backward_update(k, stages[k], sent)
         return state.replace(step=t + 1, stages=tuple(stages), finite=finite), metrics
 
     def _step_ddg(self, state, x, labels):
         t, last = state.step, self.num_stages - 1
-        stages, sent, finite, metrics = self._forward_in_order(state, x, labels)
-        cotangents = [None] * self.num_stages
-        if last > 0:
-            cotangents[last - 1] = sent
+        stages, cotangents = list(state.stages), [None] * self.num_stages
         for k in range(last):
             received = state.cotangents[k]
             if received is None:
-                continue
-            stages[k], cotangent = self._backward_and_update(k, stages[k], received)
-            if k > 0:
-                cotangents[k - 1] = Message(received.batch, self._put(cotangent, k - 1))
+                y, stages[k] = self._forward(k, stages[k], x, t)
+            else:
+                y, stages[k], cotangents[k - 1] = self._step_stage(k, stages[k], received, x, t)
+            x = self._move(y, k, k + 1)
+        stages[last], sent, finite, metrics = self._loss_step(
+            stages[last], x, self._move(labels, 0, last), t, state.finite
+        )
+        if last > 0:
+            cotangents[last - 1] = sent
         return state.replace(
             step=t + 1, stages=tuple(stages), cotangents=tuple(cotangents), finite=finite
         ), metrics
@@ -444,25 +403,26 @@ class Pipeline:
     def _step_fdg(self, state, x, labels):
         t, last = state.step, self.num_stages - 1
         stages = list(state.stages)
-        activations = [None] * self.num_stages
-        cotangents = [None] * self.num_stages
+        activations, cotangents = [None] * self.num_stages, [None] * self.num_stages
         arriving = (Message(t, x, labels),) + state.activations[1:]
         for k in range(last):
-            received = state.cotangents[k]
-            if received is not None:
-                stages[k], cotangent = self._backward_and_update(k, stages[k], received)
-                if k > 0:
-                    cotangents[k - 1] = Message(received.batch, self._put(cotangent, k - 1))
-            if arriving[k] is not None:
-                y, stages[k] = self._forward(k, stages[k], arriving[k].value, arriving[k].batch)
-                activations[k + 1] = Message(
-                    arriving[k].batch, self._put(y, k + 1), self._put(arriving[k].labels, k + 1)
+            message, received = arriving[k], state.cotangents[k]
+            if message is None:  # the pipeline is still filling up to stage k
+                continue
+            if received is None:
+                y, stages[k] = self._forward(k, stages[k], message.value, message.batch)
+            else:
+                y, stages[k], cotangents[k - 1] = self._step_stage(
+                    k, stages[k], received, message.value, message.batch
                 )
+            activations[k + 1] = Message(
+                message.batch, self._move(y, k, k + 1), self._move(message.labels, k, k + 1)
+            )
         metrics, finite = {}, state.finite
         if arriving[last] is not None:
             message = arriving[last]
-            stages[last], sent, finite, metrics = self._loss_and_update(
-                state, stages[last], message.value, message.labels, message.batch
+            stages[last], sent, finite, metrics = self._loss_step(
+                stages[last], message.value, message.labels, message.batch, state.finite
             )
             if last > 0:
                 cotangents[last - 1] = sent
@@ -474,7 +434,7 @@ class Pipeline:
             finite=finite,
         ), metrics
 
-    def _fused_step_fn(self, params, rests, opt_states, x, labels, finite):
+    def _fused_step(self, params, rests, opt_states, x, labels, finite):
         def loss(params):
             h, new_rests = x, []
             for fns, p, r in zip(self.stages, params, rests):
@@ -489,13 +449,16 @@ class Pipeline:
             for fns, p, o, g in zip(self.stages, params, opt_states, grads)
         ]
         new_params, new_opt_states = zip(*updated)
+        replicated = self.placement.replicated(0)
+        metrics, new_rests = jax.lax.with_sharding_constraint(
+            ({"loss": value, **metrics}, new_rests), replicated
+        )
         finite = finite & jnp.isfinite(value)
-        return list(new_params), new_rests, list(new_opt_states), {"loss": value, **metrics}, finite
+        return list(new_params), new_rests, list(new_opt_states), metrics, finite
 
     def _step_fused(self, state, x, labels):
         stages = state.stages
-        fused_step = self._fused_step if self._timeline is None else self._fused_step_undonated
-        args = (
+        params, rests, opt_states, metrics, finite = self._calls[0]["fused_step"](
             [s.params for s in stages],
             [s.rest for s in stages],
             [s.opt_state for s in stages],
@@ -503,9 +466,6 @@ class Pipeline:
             labels,
             state.finite,
         )
-        params, rests, opt_states, metrics, finite = outputs = fused_step(*args)
-        if self._timeline is not None:
-            self._timeline.record(self.devices[0], 0, "fused_step", state.step, args, outputs)
         stages = tuple(StageState(p, r, o) for p, r, o in zip(params, rests, opt_states))
         return (
             state.replace(step=state.step + 1, stages=stages, finite=finite),
@@ -516,17 +476,41 @@ class Pipeline:
 
     def predict(self, state: PipelineState, inputs) -> jax.Array:
         """The model's outputs in evaluation mode with each stage's current weights."""
-        x = inputs
-        for k, (fns, stage) in enumerate(zip(self.stages, state.stages)):
-            x = fns.predict(stage.params, stage.rest, self._put(x, k))
+        x = self.placement.put_batch(inputs, 0)
+        for k, stage in enumerate(state.stages):
+            x = self._calls[k]["predict"](stage.params, stage.rest, self._move(x, max(k - 1, 0), k))
         return x
 
-    def evaluate(self, state: PipelineState, batch) -> dict[str, jax.Array]:
-        """`loss_fn`'s loss and metrics on `batch` in evaluation mode (device arrays)."""
+    def _evaluation_sums_fn(self, outputs, labels, mask):
+        def one_example(output, label):
+            loss, metrics = self.loss_fn(output[None], label[None])
+            return {"loss": loss, **metrics}
+
+        per_example = jax.vmap(one_example)(outputs, labels)
+        weights = mask.astype(jnp.float32)
+        sums = {name: jnp.sum(value * weights) for name, value in per_example.items()}
+        sums["count"] = jnp.sum(weights)
+        return jax.lax.with_sharding_constraint(
+            sums, self.placement.replicated(self.num_stages - 1)
+        )
+
+    def evaluation_sums(self, state: PipelineState, batch, mask=None) -> dict[str, jax.Array]:
+        """Sums over the examples where `mask` is true of `loss_fn`'s loss and metrics,
+        each example scored alone, with the current weights in evaluation mode; and
+        `count`. Padded batches give exact means over a dataset (device arrays)."""
         inputs, labels = _split_batch(batch)
+        if mask is None:
+            mask = np.ones(np.shape(labels)[0], bool)
         outputs = self.predict(state, inputs)
-        loss, metrics = self._loss(outputs, self._put(labels, self.num_stages - 1))
-        return {"loss": loss, **metrics}
+        last = self.num_stages - 1
+        labels, mask = self._move(self.placement.put_batch((labels, mask), 0), 0, last)
+        return self._evaluation_sums(outputs, labels, mask)
+
+    def evaluate(self, state: PipelineState, batch) -> dict[str, jax.Array]:
+        """`loss_fn`'s loss and metrics on `batch` in evaluation mode (means, device arrays)."""
+        sums = self.evaluation_sums(state, batch)
+        count = sums.pop("count")
+        return {name: value / count for name, value in sums.items()}
 
     @staticmethod
     def check_finite(state: PipelineState) -> None:
@@ -534,8 +518,70 @@ class Pipeline:
 
         This waits for the device: call it once an epoch, not every step.
         """
-        if not bool(state.finite):
+        if not bool(share(state.finite)):
             raise FloatingPointError(
                 f"A training loss was NaN or infinite at or before step {state.step}; lower the "
                 "learning rate, shrink more (smaller beta), or check the data for bad values."
             )
+
+    # ------------------------------------------------------ state structure
+
+    def state_structure(self, step: int) -> PipelineState:
+        """The state after `step` steps as `jax.ShapeDtypeStruct`s with their shardings.
+
+        What is in flight follows from the timetable (`dgrad.schedule`) and the
+        stages' shapes alone, so a checkpoint restores into this structure.
+        """
+        if self._specs is None:
+            raise RuntimeError("Call pipe.init(example_batch) before asking for state shapes.")
+        schedule, placement, on = self.schedule, self.placement, _abstract
+        stages = []
+        for k, (fns, spec) in enumerate(zip(self.stages, self._specs)):
+            replicated = placement.replicated(k)
+            params, rest = on(fns.params, replicated), on(fns.rest, replicated)
+            opt_state = on(jax.eval_shape(fns.optimizer.init, fns.params), replicated)
+            stage = StageState(params, rest, opt_state)
+            for batch in schedule.kept_batches(k, step):
+                stage = stage.keep(self._record_structure(k, spec, opt_state), batch)
+            stages.append(stage)
+        labels = self._batch_shapes[1]
+        activations, cotangents = [], []
+        for k, spec in enumerate(self._specs):
+            batch = schedule.activation_batch(k, step)
+            activations.append(
+                None
+                if batch is None
+                else Message(
+                    batch,
+                    on(self._specs[k - 1].outputs, placement.sharded(k)),
+                    on(labels, placement.sharded(k)),
+                )
+            )
+            batch = schedule.cotangent_batch(k, step)
+            cotangents.append(
+                None if batch is None else Message(batch, on(spec.outputs, placement.sharded(k)))
+            )
+        finite = on(jax.ShapeDtypeStruct((), jnp.bool_), placement.replicated(self.num_stages - 1))
+        return PipelineState(step, tuple(stages), tuple(activations), tuple(cotangents), finite)
+
+    def _record_structure(self, k: int, spec: StageSpec, opt_state) -> Record:
+        """Stage k's record, with the shardings its forward gives the arrays it keeps."""
+        fns = self.stages[k]
+        replicated, sharded = self.placement.replicated(k), self.placement.sharded(k)
+        if self.placement.data_parallel == 1:  # one device: nothing to ask the compiler
+            return _abstract(spec.record, replicated)
+        args = (
+            _abstract(fns.params, replicated),
+            _abstract(fns.rest, replicated),
+            opt_state,
+            _abstract(spec.inputs, sharded),
+        )
+        compiled = jax.jit(fns._forward).lower(*args).compile()
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            spec.record,
+            compiled.output_shardings[2],
+        )
+
+
+__all__ = ["Message", "Pipeline", "PipelineState", "Residuals", "StageState"]

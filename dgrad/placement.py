@@ -1,74 +1,404 @@
-"""Mapping pipeline stages onto devices.
+"""Where each stage runs, and how values travel between stages and processes.
+
+A pipeline of K stages with D data-parallel replicas gives stage k a group of
+D devices, a `jax.sharding.Mesh` with one axis, `data`. On its group a stage's
+parameters, non-parameter state, optimizer state and stashed weights are
+replicated (`replicated(k)`); batches, activations, cotangents and kept inputs
+are split along their first axis (`sharded(k)`). Jitted functions over these
+arrays compute the mean gradient over the whole batch and BatchNorm statistics
+of the whole batch: XLA inserts the all-reduces, so the numbers do not depend
+on D.
+
+Under `jax.distributed` the groups may span processes. Every process runs the
+same program; a function whose arrays live on other processes' devices returns
+at once there. `move` carries values from one stage's group to another's:
+`jax.device_put` inside a process, each replica's own copy where every replica
+stays inside its process, and otherwise an XLA collective (`ppermute`) over
+the two groups. `share` makes values readable on every process (metrics,
+checkpoints), and `unshare` puts them back.
 
 >>> import jax
->>> place_stages(4, [jax.devices()[0]]) == [jax.devices()[0]] * 4
+>>> one = Placement(3, jax.devices()[:1])  # three stages sharing one device
+>>> one.groups == ((jax.devices()[0],),) * 3
 True
+>>> two = Placement(2, jax.devices()[:4], data_parallel=2)
+>>> [[d.id for d in group] for group in two.groups]
+[[0, 1], [2, 3]]
+>>> x = two.put_batch(jax.numpy.arange(8.0), 0)
+>>> sorted(d.id for d in two.move(x, 0, 1).sharding.device_set)
+[2, 3]
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
-PLACEMENTS = ("spread", "one_per_device")
+from dgrad.options import PLACEMENTS
 
-_FAKE_DEVICES_HINT = (
+FAKE_DEVICES_HINT = (
     "On a CPU-only machine, ask for fake devices before JAX starts: "
-    "XLA_FLAGS=--xla_force_host_platform_device_count=N, or "
     "jax.config.update('jax_num_cpu_devices', N) right after `import jax`."
 )
 
 
-def place_stages(
-    num_stages: int,
-    devices: Sequence[jax.Device] | None = None,
-    placement: str | Sequence[int] = "spread",
-) -> list[jax.Device]:
-    """Returns the device of each stage.
+def _resolve_data_parallel(data_parallel: int, num_groups: int, num_devices: int) -> int:
+    if data_parallel != -1:
+        return data_parallel
+    if num_devices < num_groups:
+        raise ValueError(
+            f"data_parallel=-1 divides the devices between the stages, but {num_groups} stage "
+            f"group(s) need more than the {num_devices} device(s) given. {FAKE_DEVICES_HINT}"
+        )
+    return num_devices // num_groups
+
+
+def _groups(num_stages, devices, placement, data_parallel, fused):
+    count = len(devices)
+    if not isinstance(placement, str):
+        return _explicit_groups(num_stages, devices, placement, data_parallel)
+    if placement not in PLACEMENTS:
+        raise ValueError(
+            f"Unknown placement {placement!r}; use one of {', '.join(PLACEMENTS)} or a list of "
+            "device indices (or index lists) per stage."
+        )
+    num_groups = 1 if fused else num_stages
+    replicas = _resolve_data_parallel(data_parallel, num_groups, count)
+    if fused:
+        if replicas > count:
+            raise ValueError(
+                f"data_parallel={replicas} needs {replicas} devices, got {count}. "
+                f"{FAKE_DEVICES_HINT}"
+            )
+        return (tuple(devices[:replicas]),) * num_stages, replicas
+    if replicas == 1 and placement == "spread":
+        used = min(count, num_stages)
+        return tuple((devices[k * used // num_stages],) for k in range(num_stages)), 1
+    if num_stages * replicas > count:
+        raise ValueError(
+            f"{num_stages} stages x {replicas} replicas need {num_stages * replicas} devices, "
+            f"got {count}; lower data_parallel or num_stages (data_parallel=-1 uses every "
+            f"device). {FAKE_DEVICES_HINT}"
+        )
+    if placement == "interleaved":
+        groups = [
+            tuple(devices[r * num_stages + k] for r in range(replicas)) for k in range(num_stages)
+        ]
+    else:
+        groups = [tuple(devices[k * replicas : (k + 1) * replicas]) for k in range(num_stages)]
+    return tuple(groups), replicas
+
+
+def _explicit_groups(num_stages, devices, placement, data_parallel):
+    entries = list(placement)
+    if len(entries) != num_stages:
+        raise ValueError(
+            f"placement lists {len(entries)} entries for {num_stages} stages; give exactly one "
+            "device index (or list of indices) per stage."
+        )
+    groups = []
+    for entry in entries:
+        indices = [entry] if isinstance(entry, (int, np.integer)) else list(entry)
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+                raise ValueError(f"placement index {index!r} is not an integer.")
+            if not 0 <= index < len(devices):
+                raise ValueError(
+                    f"placement index {index} is not a valid index into {len(devices)} devices."
+                )
+        groups.append(tuple(devices[i] for i in indices))
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) != 1 or sizes[0] == 0:
+        raise ValueError(
+            f"Every stage needs the same number of devices, but the placement gives groups of "
+            f"sizes {[len(g) for g in groups]}; give each stage D devices."
+        )
+    if data_parallel not in (-1, 1, sizes[0]):
+        raise ValueError(
+            f"data_parallel={data_parallel} but the placement gives each stage {sizes[0]} "
+            "device(s); make them agree (or leave data_parallel out)."
+        )
+    return tuple(groups), sizes[0]
+
+
+class Placement:
+    """Each stage's group of devices, and the moves between them.
 
     Args:
       num_stages: K.
-      devices: the devices to use; defaults to `jax.devices()`.
-      placement: `"spread"` puts contiguous runs of stages on each device (K
-        stages on D devices: stage k on device k*D//K; with K <= D, stage k on
-        device k); `"one_per_device"` puts stage k on `devices[k]` and needs at
-        least K devices; a sequence of K integers names each stage's device by
-        its index into `devices`.
+      devices: the devices to use (default `jax.devices()`, all processes' devices).
+      placement: `"spread"`: stage k on `devices[k*D:(k+1)*D]` (with D = 1 and
+        fewer devices than stages, contiguous stages share a device);
+        `"interleaved"`: replica r of stage k on `devices[r*K + k]`, so each run of
+        K devices holds a whole pipeline (with devices listed by process, every
+        process then holds every stage); `"one_per_device"`: like spread but
+        never shares; or a list of K device indices (or K lists of D indices).
+      data_parallel: D, devices per stage; -1 uses them all (D = devices // K).
+        Explicit index lists say D themselves (a D other than 1 or -1 must agree).
+      fused: one group for all stages (fused backprop, data parallel over D).
     """
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("devices is empty; pass at least one device or None for jax.devices().")
-    for device in devices:
-        if not isinstance(device, jax.Device):
-            raise TypeError(
-                f"devices must hold jax.Device objects (from jax.devices()), got {device!r}."
-            )
-    if isinstance(placement, str):
-        if placement == "spread":
-            used = min(len(devices), num_stages)
-            return [devices[k * used // num_stages] for k in range(num_stages)]
-        if placement == "one_per_device":
-            if len(devices) < num_stages:
-                raise ValueError(
-                    f"placement='one_per_device' needs {num_stages} devices for {num_stages} "
-                    f"stages, got {len(devices)}. Pass more devices, or placement='spread' to "
-                    f"share devices between stages. {_FAKE_DEVICES_HINT}"
+
+    def __init__(
+        self,
+        num_stages: int,
+        devices: Sequence[jax.Device] | None = None,
+        placement: str | Sequence = "spread",
+        *,
+        data_parallel: int = 1,
+        fused: bool = False,
+    ):
+        devices = list(jax.devices() if devices is None else devices)
+        if not devices:
+            raise ValueError("devices is empty; pass at least one device or None for all.")
+        for device in devices:
+            if not isinstance(device, jax.Device):
+                raise TypeError(
+                    f"devices must hold jax.Device objects (from jax.devices()), got {device!r}."
                 )
-            return devices[:num_stages]
-        raise ValueError(
-            f"Unknown placement {placement!r}; use one of {PLACEMENTS} or a list of "
-            "device indices, one per stage."
+        if len(set(devices)) != len(devices):
+            raise ValueError("devices lists a device twice; pass each device once.")
+        self.num_stages = num_stages
+        self.groups, self.data_parallel = _groups(
+            num_stages, devices, placement, data_parallel, fused
         )
-    indices = list(placement)
-    if len(indices) != num_stages:
-        raise ValueError(
-            f"placement lists {len(indices)} device indices for {num_stages} stages; "
-            "give exactly one per stage."
-        )
-    for index in indices:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(devices):
+        if fused and len(set(self.groups)) > 1:
             raise ValueError(
-                f"placement index {index!r} is not a valid index into {len(devices)} devices."
+                "fused=True runs the whole step as one function on one device group, but the "
+                f"placement gives {len(set(self.groups))} groups; use one group or fused=False."
             )
-    return [devices[i] for i in indices]
+        for a in set(self.groups):
+            for b in set(self.groups):
+                if a != b and set(a) & set(b):
+                    raise ValueError(
+                        f"Stage device groups {[d.id for d in a]} and {[d.id for d in b]} "
+                        "overlap; groups must be identical or disjoint."
+                    )
+        used = {d.process_index for group in self.groups for d in group}
+        idle = sorted(set(range(jax.process_count())) - used)
+        if idle:
+            raise ValueError(
+                f"Process(es) {idle} of {jax.process_count()} hold none of the pipeline's "
+                f"devices ({num_stages} stages x {self.data_parallel} replicas); start fewer "
+                "processes, or more stages or replicas."
+            )
+        meshes = {g: Mesh(np.array(g), ("data",)) for g in set(self.groups)}
+        self.meshes = tuple(meshes[g] for g in self.groups)
+        self._process = jax.process_index()
+
+    def __repr__(self):
+        groups = ", ".join("[" + " ".join(str(d.id) for d in g) + "]" for g in self.groups)
+        return f"Placement({groups})"
+
+    @property
+    def devices(self) -> list[jax.Device]:
+        """The first device of each stage's group."""
+        return [group[0] for group in self.groups]
+
+    def replicated(self, k: int) -> jax.sharding.Sharding:
+        """A copy on each of stage k's devices (a single device's sharding when D = 1, which
+        is what jitted functions give back there)."""
+        if self.data_parallel == 1:
+            return SingleDeviceSharding(self.groups[k][0])
+        return NamedSharding(self.meshes[k], P())
+
+    def sharded(self, k: int) -> jax.sharding.Sharding:
+        """Split along the first (batch) axis over stage k's devices."""
+        if self.data_parallel == 1:
+            return SingleDeviceSharding(self.groups[k][0])
+        return NamedSharding(self.meshes[k], P("data"))
+
+    def is_local(self, k: int) -> bool:
+        """Whether this process holds a device of stage k."""
+        return any(d.process_index == self._process for d in self.groups[k])
+
+    def check_batch_size(self, batch_size: int) -> None:
+        if batch_size % self.data_parallel:
+            raise ValueError(
+                f"The batch of {batch_size} examples does not split between "
+                f"data_parallel={self.data_parallel} replicas; use a batch size divisible by "
+                f"{self.data_parallel}."
+            )
+
+    # ------------------------------------------------------------- placing
+
+    def put(self, tree, k: int):
+        """A copy of `tree` replicated on stage k's devices (every process passes the same)."""
+        sharding = self.replicated(k)
+        return jax.tree.map(lambda leaf: _place(leaf, sharding), tree)
+
+    def put_batch(self, tree, k: int):
+        """`tree`'s arrays split along their first axis over stage k's devices.
+
+        Arrays already placed so are returned as they are. Under several
+        processes, host arrays must hold the whole batch on every process;
+        `dgrad.data.Stream` builds batches from each process's own rows instead.
+        """
+        sharding = self.sharded(k)
+
+        def put(leaf):
+            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+                return leaf
+            return _place(leaf, sharding)
+
+        return jax.tree.map(put, tree)
+
+    # -------------------------------------------------------------- moving
+
+    def move(self, tree, src: int, dst: int):
+        """`tree` (placed on stage `src`'s group) placed alike on stage `dst`'s group."""
+        if self.groups[src] == self.groups[dst]:
+            return tree
+        return jax.tree.map(lambda leaf: self._move_leaf(leaf, src, dst), tree)
+
+    def _move_leaf(self, leaf, src, dst):
+        source, target = self.groups[src], self.groups[dst]
+        split = isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec != P()
+        sharding = self.sharded(dst) if split else self.replicated(dst)
+        spec = P("data") if split else P()
+        here = self._process
+        if all(d.process_index == here for d in source + target):
+            return jax.device_put(leaf, sharding)
+        if all(a.process_index == b.process_index for a, b in zip(source, target)):
+            pieces = [
+                jax.device_put(leaf.addressable_data(i), target[source.index(shard.device)])
+                for i, shard in enumerate(leaf.addressable_shards)
+            ]
+            return jax.make_array_from_single_device_arrays(
+                leaf.shape, sharding, pieces, dtype=leaf.dtype
+            )
+        return _hop(leaf, source, target, spec, sharding)
+
+
+def _place(leaf, sharding):
+    if jax.process_count() == 1 or sharding.is_fully_addressable:
+        return jax.device_put(leaf, sharding, may_alias=False)
+    host = np.asarray(jax.device_get(leaf))
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i], dtype=host.dtype)
+
+
+def _local_placeholder(shape, dtype, sharding):
+    """An array of `sharding` with no data on this process (it holds none of its devices)."""
+    return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
+
+
+@functools.cache
+def _ppermute(mesh, spec):
+    def send(stacked):
+        return jax.lax.ppermute(stacked, "hop", [(0, 1)])
+
+    return jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def _hop(leaf, source, target, spec, sharding):
+    """Moves `leaf` from `source` to `target` devices with a collective over both groups."""
+    mesh = Mesh(np.array([source, target]), ("hop", "data"))
+    stacked_spec = P("hop", *spec)
+    stacked = NamedSharding(mesh, stacked_spec)
+    shard_shape = sharding.shard_shape(leaf.shape)
+    pieces = [leaf.addressable_data(i)[None] for i in range(len(leaf.addressable_shards))]
+    pieces += [
+        jax.device_put(np.zeros((1, *shard_shape), leaf.dtype), d)
+        for d in target
+        if d.process_index == jax.process_index()
+    ]
+    if not pieces:
+        return _local_placeholder(leaf.shape, leaf.dtype, sharding)
+    together = jax.make_array_from_single_device_arrays(
+        (2, *leaf.shape), stacked, pieces, dtype=leaf.dtype
+    )
+    arrived = _ppermute(mesh, stacked_spec)(together)
+    received = [s.data[0] for s in arrived.addressable_shards if s.device in target]
+    return jax.make_array_from_single_device_arrays(
+        leaf.shape, sharding, received, dtype=leaf.dtype
+    )
+
+
+@functools.cache
+def _all_gather(mesh, source: int):
+    def gather(stacked):
+        return jax.lax.all_gather(stacked[0], "hop")[source]
+
+    # An all-gather's result is the same on every device; shard_map cannot infer it here.
+    return jax.jit(
+        jax.shard_map(gather, mesh=mesh, in_specs=P("hop"), out_specs=P(), check_vma=False)
+    )
+
+
+def _process_mesh(source: jax.Device) -> Mesh:
+    """One device per process, `source` for its own process."""
+    devices = [
+        source if p == source.process_index else jax.local_devices(process_index=p)[0]
+        for p in range(jax.process_count())
+    ]
+    return Mesh(np.array(devices), ("hop",))
+
+
+def share(tree):
+    """`tree`'s arrays made readable on every process (the identity in one process).
+
+    Replicated arrays, and arrays held by a single process, are gathered onto
+    one device of each process; arrays that already span processes stay.
+    """
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(_share_leaf, tree)
+
+
+def unshare(tree, target):
+    """The inverse of `share` for restored values: each array placed as `target` says."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(_unshare_leaf, tree, target)
+
+
+def _share_leaf(leaf):
+    if not isinstance(leaf, jax.Array):
+        return leaf
+    owners = {d.process_index for d in leaf.sharding.device_set}
+    if len(owners) == jax.process_count():
+        return leaf
+    if not (leaf.is_fully_replicated or len(owners) == 1):
+        return leaf  # spans several processes already: readable by orbax as it is
+    source = min(leaf.sharding.device_set, key=lambda d: d.id)
+    here = source.process_index == jax.process_index()
+    if leaf.is_fully_replicated:
+        data = [s.data for s in leaf.addressable_shards if s.device == source]
+    else:
+        data = [jax.device_put(leaf, SingleDeviceSharding(source))] if here else []
+        data = [a.addressable_data(0) for a in data]
+    mesh = _process_mesh(source)
+    position = list(mesh.devices.flat).index(source)
+    pieces = [d[None] for d in data] + [
+        jax.device_put(np.zeros((1, *leaf.shape), leaf.dtype), device)
+        for device in mesh.devices.flat
+        if device != source and device.process_index == jax.process_index()
+    ]
+    stacked = jax.make_array_from_single_device_arrays(
+        (mesh.size, *leaf.shape), NamedSharding(mesh, P("hop")), pieces, dtype=leaf.dtype
+    )
+    return _all_gather(mesh, position)(stacked)
+
+
+def _unshare_leaf(leaf, target: jax.ShapeDtypeStruct):
+    sharding = target.sharding
+    if leaf.sharding == sharding:
+        return leaf
+    if not any(d.process_index == jax.process_index() for d in sharding.device_set):
+        return _local_placeholder(leaf.shape, leaf.dtype, sharding)
+    return jax.device_put(leaf.addressable_data(0), sharding)
+
+
+def shared_target(target: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """Where `share` puts an array placed as `target`: how a checkpoint holds it."""
+    owners = {d.process_index for d in target.sharding.device_set}
+    if jax.process_count() == 1 or len(owners) > 1:
+        return target
+    source = min(target.sharding.device_set, key=lambda d: d.id)
+    return jax.ShapeDtypeStruct(
+        target.shape, target.dtype, sharding=NamedSharding(_process_mesh(source), P())
+    )

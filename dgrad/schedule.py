@@ -33,20 +33,19 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 ([4, 3, 2], [0, 1, 2])
 >>> [s.weight_staleness(k) for k in range(3)]
 [3, 1, 0]
+
+Between iterations (after 4 of them) stage 0 holds the records of batches 0-3,
+batch 3's activation waits for stage 1 and batch 0's cotangent for stage 0:
+
+>>> s.kept_batches(0, 4), s.activation_batch(1, 4), s.cotangent_batch(0, 4)
+([0, 1, 2, 3], 3, 0)
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-METHODS = ("bp", "ddg", "fdg")
-
-
-def check_method(method: str) -> str:
-    """Returns `method` if it names a training method, else raises ValueError."""
-    if method not in METHODS:
-        raise ValueError(f"Unknown method {method!r}; choose one of {', '.join(METHODS)}.")
-    return method
+from dgrad.options import METHODS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +56,8 @@ class Schedule:
     num_stages: int
 
     def __post_init__(self):
-        check_method(self.method)
+        if self.method not in METHODS:
+            raise ValueError(f"Unknown method {self.method!r}; choose one of {', '.join(METHODS)}.")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be at least 1, got {self.num_stages}.")
 
@@ -102,3 +102,24 @@ class Schedule:
     def shrink_depth(self, stage: int) -> int:
         """Power of beta that gradient shrinking applies to `stage`'s gradient."""
         return self.last - stage
+
+    # What is in flight between iterations t-1 and t (a pipeline state's `step` is t).
+
+    def kept_batches(self, stage: int, t: int) -> list[int]:
+        """Batches whose forward `stage` has run but whose gradient it has not applied yet."""
+        if self.method == "bp" or stage == self.last:
+            return []
+        first = max(0, t - self.forward_lag(stage) - self.gradient_delay(stage))
+        return [b for b in range(first, t) if self.forward_iteration(stage, b) < t]
+
+    def activation_batch(self, stage: int, t: int) -> int | None:
+        """The batch whose activation waits for `stage` (FDG: one hop costs one iteration)."""
+        if self.method != "fdg" or stage == 0 or t == 0:
+            return None
+        return self.forward_batch(stage - 1, t - 1)
+
+    def cotangent_batch(self, stage: int, t: int) -> int | None:
+        """The batch whose cotangent waits for `stage`, sent by stage + 1 in iteration t-1."""
+        if self.method == "bp" or stage == self.last or t == 0:
+            return None
+        return self.backward_batch(stage, t)

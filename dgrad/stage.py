@@ -1,21 +1,35 @@
-"""One pipeline stage as jitted pure functions of its state.
+"""One pipeline stage as pure functions of its state, each jitted once.
 
 A stage is any Flax NNX module. `StageFunctions` splits it once into a graph
 definition and its state (`params`: the `nnx.Param`s; `rest`: everything else,
-e.g. BatchNorm statistics) and compiles the handful of pure functions the
-pipeline needs. Every function is jitted once and then only ever sees arrays
-on the stage's own device, so it compiles exactly once.
+e.g. BatchNorm statistics) and jits the few pure functions a pipeline calls:
+
+- `forward`: the forward of a new batch, returning what the stage keeps for
+  the batch's delayed backward (a `Residuals`, `Inputs` or `StashedInputs`
+  record, by memory and weights policy);
+- `step`: backward of an old batch, update, and forward of a new one, in one
+  call (FDG updates before it forwards, DDG after);
+- `backward_update`: backward and update only (stage-by-stage backprop);
+- `loss_step`: the last stage's loss, backward and update;
+- `predict`: the forward in evaluation mode.
+
+Given a `Placement`'s shardings, the functions keep parameters, statistics and
+optimizer state replicated on the stage's devices and activations and
+cotangents split along the batch.
 
 >>> import jax, jax.numpy as jnp, optax
 >>> from flax import nnx
 >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
 >>> params, rest = fns.params, fns.rest
->>> y, rest = fns.forward(params, rest, jnp.ones((4, 3)))
->>> grads, _ = fns.backward_recompute(params, rest, jnp.ones((4, 3)), jnp.ones_like(y))
->>> jax.tree.map(jnp.shape, grads)["kernel"]
-Param(
-  value=(3, 2)
-)
+>>> opt_state = fns.optimizer.init(params)
+>>> y, rest, record = fns.forward(params, rest, opt_state, jnp.ones((4, 3)))
+>>> type(record).__name__, y.shape
+('Residuals', (4, 2))
+>>> treedef = fns.residual_treedef(params, rest, jnp.ones((4, 3)))
+>>> params, opt_state, cotangent = fns.backward_update(
+...     params, rest, opt_state, record, jnp.ones_like(y), treedef)
+>>> cotangent is None  # the first stage sends no cotangent
+True
 """
 
 from __future__ import annotations
@@ -25,11 +39,42 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, struct
 
 from dgrad.optim.prediction import predict_weights
+from dgrad.options import Options
 
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+@struct.dataclass
+class Residuals:
+    """The leaves of the forward's VJP, and the weights that forward used.
+
+    The VJP is rebuilt from its leaves with the stage's `residual_treedef`.
+    """
+
+    residuals: list
+    params: Any
+
+
+@struct.dataclass
+class Inputs:
+    """The stage's input; the backward replays the forward on the stage's current weights."""
+
+    inputs: Any
+
+
+@struct.dataclass
+class StashedInputs:
+    """The stage's input with the weights and statistics its forward used (recomputed later)."""
+
+    inputs: Any
+    params: Any
+    rest: Any
+
+
+Record = Residuals | Inputs | StashedInputs
 
 
 def _graphdef_in_mode(module: nnx.Module, train: bool):
@@ -38,16 +83,21 @@ def _graphdef_in_mode(module: nnx.Module, train: bool):
     return nnx.split(copy, nnx.Param, ...)[0]
 
 
+def _constrain(tree, sharding):
+    return tree if sharding is None else jax.lax.with_sharding_constraint(tree, sharding)
+
+
 class StageFunctions:
     """The jitted pure functions of one stage.
 
     Args:
       module: the stage, an initialised NNX module. It is not modified.
       optimizer: this stage's optax transformation.
+      options: the pipeline's `Options` (memory and weights policies, method).
       first: whether this is stage 0 (its input needs no cotangent).
       loss_fn: set on the last stage; `loss_step` uses it.
-      donate_params: let `update` reuse the old parameter buffers. Only safe
-        when no stashed copy of the parameters outlives the update.
+      staleness: the stage's weight staleness (for weight prediction).
+      replicated, sharded: shardings of the stage's state and of its batches.
 
     Attributes:
       params, rest: the module's initial state, not yet placed on a device.
@@ -58,9 +108,12 @@ class StageFunctions:
         module: nnx.Module,
         optimizer: optax.GradientTransformation,
         *,
+        options: Options | None = None,
         first: bool = False,
         loss_fn: LossFn | None = None,
-        donate_params: bool = False,
+        staleness: int = 0,
+        replicated: jax.sharding.Sharding | None = None,
+        sharded: jax.sharding.Sharding | None = None,
     ):
         if not isinstance(module, nnx.Module):
             raise TypeError(
@@ -71,47 +124,45 @@ class StageFunctions:
         self.eval_graph = _graphdef_in_mode(module, train=False)
         _, self.params, self.rest = nnx.split(module, nnx.Param, ...)
         self.optimizer = optax.with_extra_args_support(optimizer)
-        self.first = first
-        self.loss_fn = loss_fn
-        self._residual_treedef = None
-
-        self.forward = jax.jit(self._forward)
-        self.forward_keep = jax.jit(self._forward_keep)
-        self.backward_kept = jax.jit(self._backward_kept)
-        self.backward_recompute = jax.jit(self._backward_recompute)
-        # The last stage's parameters are never stashed: always donate them.
-        self.loss_step = jax.jit(self._loss_step, donate_argnums=(0, 2))
-        self.predict = jax.jit(self._predict)
-        self.predict_weights = jax.jit(predict_weights, static_argnums=(2, 3))
-        self._undonated = {}
-        self.update = jax.jit(
-            self.apply_optimizer, donate_argnums=(0, 1) if donate_params else (1,)
-        )
+        options = options or Options()
+        self.options, self.first, self.loss_fn = options, first, loss_fn
+        self.predict_ahead = staleness if options.predict_lr is not None else 0
+        self.replicated, self.sharded = replicated, sharded
+        # Records holding the weights of their forward must outlive the update
+        # that replaces those weights, so only then are parameters kept.
+        donated_params = () if options.keeps_weights else (0,)
+        self._jit_options = {
+            "forward": {},
+            "step": {"donate_argnums": donated_params + (2,), "static_argnums": (6,)},
+            "backward_update": {"donate_argnums": donated_params + (2,), "static_argnums": (5,)},
+            "loss_step": {"donate_argnums": (0, 2)},  # the last stage's weights are never kept
+            "predict": {},
+        }
+        for name, options_ in self._jit_options.items():
+            setattr(self, name, jax.jit(getattr(self, f"_{name}"), **options_))
 
     def jitted(self) -> dict[str, Any]:
-        """The jitted functions by name (for compilation counting)."""
-        names = (
-            "forward",
-            "forward_keep",
-            "backward_kept",
-            "backward_recompute",
-            "loss_step",
-            "predict",
-            "predict_weights",
-            "update",
+        """The jitted functions by name."""
+        return {name: getattr(self, name) for name in self._jit_options}
+
+    def undonated(self) -> dict[str, Any]:
+        """The same functions jitted without buffer donation (for watching their inputs)."""
+        return {
+            name: jax.jit(getattr(self, f"_{name}"), static_argnums=options.get("static_argnums"))
+            for name, options in self._jit_options.items()
+        }
+
+    def residual_treedef(self, params, rest, x):
+        """The structure of the VJP whose leaves `forward` keeps (for shapes `x` of the input).
+
+        Tracing is deterministic, so every forward of these shapes gives VJP
+        leaves of this structure; the backward rebuilds the VJP with it.
+        """
+        return jax.tree.structure(
+            jax.eval_shape(lambda p, r, h: self._vjp(p, r, h)[1], params, rest, x)
         )
-        return {name: getattr(self, name) for name in names}
 
-    DONATING = ("update", "loss_step")
-
-    def undonated(self, name: str):
-        """A jitted copy of donating function `name` that donates nothing (for tracing)."""
-        if name not in self._undonated:
-            pure = {"update": self.apply_optimizer, "loss_step": self._loss_step}[name]
-            self._undonated[name] = jax.jit(pure)
-        return self._undonated[name]
-
-    # Pure functions (also used un-jitted by the fused BP step).
+    # ------------------------------------------------------- pure functions
 
     def apply(self, params, rest, x, train: bool = True):
         """Runs the stage; returns its output and its updated non-parameter state."""
@@ -126,38 +177,77 @@ class StageFunctions:
         updates, opt_state = self.optimizer.update(
             grads, opt_state, params, stale_params=stale_params
         )
-        return optax.apply_updates(params, updates), opt_state
+        params = optax.apply_updates(params, updates)
+        return _constrain(params, self.replicated), _constrain(opt_state, self.replicated)
 
     def _vjp(self, params, rest, x):
-        """`(y, new_rest, vjp)`, differentiating w.r.t. params (and x unless first)."""
+        """`(y, vjp, new_rest)`, differentiating w.r.t. params (and x unless first)."""
+        apply = self.apply
+        if self.options.memory == "dots":
+            apply = jax.checkpoint(
+                apply, policy=jax.checkpoint_policies.dots_saveable, static_argnums=(3,)
+            )
         if self.first:
-            return jax.vjp(lambda p: self.apply(p, rest, x), params, has_aux=True)
-        return jax.vjp(lambda p, h: self.apply(p, rest, h), params, x, has_aux=True)
+            return jax.vjp(lambda p: apply(p, rest, x, True), params, has_aux=True)
+        return jax.vjp(lambda p, h: apply(p, rest, h, True), params, x, has_aux=True)
+
+    def _forward_weights(self, params, opt_state):
+        if not self.predict_ahead:
+            return params
+        return predict_weights(params, opt_state, self.predict_ahead, self.options.predict_lr)
+
+    def _forward(self, params, rest, opt_state, x):
+        """Forwards `x`; returns the output, the new statistics and the record to keep."""
+        params = self._forward_weights(params, opt_state)
+        if self.options.memory == "recompute":
+            y, new_rest = self.apply(params, rest, x)
+            inputs = _constrain(x, self.sharded)
+            if self.options.weights == "current":
+                record = Inputs(inputs)
+            else:
+                record = StashedInputs(inputs, params, rest)
+        else:
+            y, vjp, new_rest = self._vjp(params, rest, x)
+            record = Residuals(jax.tree.leaves(vjp), params)
+        return _constrain(y, self.sharded), _constrain(new_rest, self.replicated), record
+
+    def _backward(self, record: Record, params, rest, cotangent, treedef):
+        """The parameter gradient and input cotangent of `record`'s batch (`treedef`: see
+        `residual_treedef`; used for `Residuals`)."""
+        if isinstance(record, Residuals):
+            vjp = jax.tree.unflatten(treedef, record.residuals)
+            cotangents = vjp(cotangent)
+        else:
+            if isinstance(record, StashedInputs):
+                params, rest = record.params, record.rest
+            cotangents = self._vjp(params, rest, record.inputs)[1](cotangent)
+        grads, input_cotangent = (cotangents[0], None) if self.first else cotangents
+        return grads, _constrain(input_cotangent, self.sharded)
 
     @staticmethod
-    def _split_cotangents(cotangents):
-        return (cotangents[0], None) if len(cotangents) == 1 else cotangents
+    def _stale(record: Record):
+        """The weights `record`'s gradient is taken at; None means the current ones."""
+        return None if isinstance(record, Inputs) else record.params
 
-    def _forward(self, params, rest, x):
-        return self.apply(params, rest, x)
+    def _backward_update(self, params, rest, opt_state, record, cotangent, treedef=None):
+        """Back-propagates `record`'s batch and updates; returns the input cotangent too."""
+        grads, input_cotangent = self._backward(record, params, rest, cotangent, treedef)
+        params, opt_state = self.apply_optimizer(params, opt_state, grads, self._stale(record))
+        return params, opt_state, input_cotangent
 
-    def _forward_keep(self, params, rest, x):
-        # A VJP object handed out of jit has a fresh treedef at every call, which
-        # would retrace the backward each time: hand out its leaves, and rebuild
-        # it in `_backward_kept` from the treedef of the first trace.
-        y, vjp, new_rest = self._vjp(params, rest, x)
-        residuals, treedef = jax.tree.flatten(vjp)
-        if self._residual_treedef is None:
-            self._residual_treedef = treedef
-        return y, new_rest, residuals
-
-    def _backward_kept(self, residuals, cotangent):
-        vjp = jax.tree.unflatten(self._residual_treedef, residuals)
-        return self._split_cotangents(vjp(cotangent))
-
-    def _backward_recompute(self, params, rest, x, cotangent):
-        _, vjp, _ = self._vjp(params, rest, x)
-        return self._split_cotangents(vjp(cotangent))
+    def _step(self, params, rest, opt_state, record, cotangent, x, treedef=None):
+        """Backward + update of `record`'s batch and forward of `x`, in the method's order."""
+        if self.options.method == "fdg":
+            params, opt_state, input_cotangent = self._backward_update(
+                params, rest, opt_state, record, cotangent, treedef
+            )
+            y, rest, kept = self._forward(params, rest, opt_state, x)
+        else:
+            y, rest, kept = self._forward(params, rest, opt_state, x)
+            params, opt_state, input_cotangent = self._backward_update(
+                params, rest, opt_state, record, cotangent, treedef
+            )
+        return params, rest, opt_state, input_cotangent, y, kept
 
     def _loss_and_backward(self, params, rest, x, labels):
         def loss(params, x):
@@ -175,14 +265,21 @@ class StageFunctions:
     def _loss_step(self, params, rest, opt_state, x, labels, finite):
         """Loss, backward and update of the last stage in one function.
 
-        Returns the new params, optimizer state and rest, the input cotangent
-        (None on a single stage), the metrics, and `finite` and-ed with whether
-        this loss is finite.
+        Returns the new params, optimizer state and statistics, the input
+        cotangent (None on a single stage), the metrics, and `finite` and-ed with
+        whether this loss is finite.
         """
         grads, cotangent, rest, metrics = self._loss_and_backward(params, rest, x, labels)
         params, opt_state = self.apply_optimizer(params, opt_state, grads)
         finite = finite & jnp.isfinite(metrics["loss"])
-        return params, opt_state, rest, cotangent, metrics, finite
+        return (
+            params,
+            opt_state,
+            _constrain(rest, self.replicated),
+            _constrain(cotangent, self.sharded),
+            _constrain(metrics, self.replicated),
+            finite,
+        )
 
     def _predict(self, params, rest, x):
-        return self.apply(params, rest, x, train=False)[0]
+        return _constrain(self.apply(params, rest, x, train=False)[0], self.sharded)

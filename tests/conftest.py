@@ -1,6 +1,8 @@
 """Test setup: four fake CPU devices and a persistent compilation cache.
 
 Both must be configured before JAX runs anything, hence at import time here.
+`pytest -m "not slow"` is the fast subset (every module, in minutes); the CI
+runs everything.
 """
 
 import os

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from helpers import batches, build_stages
+from helpers import batches, build_pipeline, build_stages
 
 import dgrad
 
@@ -13,8 +13,7 @@ SGD = optax.sgd(0.1)
 
 
 def make(**kwargs):
-    kwargs.setdefault("optimizer", SGD)
-    return dgrad.Pipeline(build_stages("mlp", 2), **kwargs)
+    return build_pipeline("mlp", 2, **{"optimizer": SGD, **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -24,20 +23,21 @@ def make(**kwargs):
         (dict(method="fdg", beta=0.0), ValueError, r"beta must lie in \(0, 1\]"),
         (dict(method="fdg", beta=1.5), ValueError, r"beta must lie in \(0, 1\]"),
         (dict(method="fdg", beta=float("nan")), ValueError, r"beta must lie in \(0, 1\]"),
-        (dict(method="fdg", beta="0.5"), TypeError, "beta must be a real number"),
-        (dict(method="ddg", beta=0.5), ValueError, "part of FDG; use method='fdg'"),
+        (dict(method="fdg", beta="0.5"), ValueError, r"beta must be a number in \(0, 1\]"),
+        (dict(method="ddg", beta=0.5), ValueError, "only FDG has; use method=fdg"),
         (dict(weights="fresh"), ValueError, "Unknown weights policy 'fresh'"),
         (dict(memory="disk"), ValueError, "Unknown memory policy 'disk'"),
-        (dict(weights="current", memory="residuals"), ValueError, "needs memory='recompute'"),
-        (dict(method="ddg", fused=True), ValueError, "needs method='bp'"),
-        (dict(method="bp", fused=True, devices=jax.devices()[:2]), ValueError, "one device"),
+        (dict(weights="current", memory="residuals"), ValueError, "needs memory=recompute"),
+        (dict(weights="current", memory="dots"), ValueError, "needs memory=recompute"),
+        (dict(method="ddg", fused=True), ValueError, "needs method=bp"),
+        (dict(predict_lr=-1.0), ValueError, "predict_lr must be a positive learning rate"),
         (
             dict(devices=jax.devices()[:1], placement="one_per_device"),
             ValueError,
-            "needs 2 devices for 2 stages, got 1.*xla_force_host_platform_device_count",
+            "2 stages x 1 replicas need 2 devices, got 1.*jax_num_cpu_devices",
         ),
         (dict(placement="everywhere"), ValueError, "Unknown placement 'everywhere'"),
-        (dict(placement=[0]), ValueError, "1 device indices for 2 stages"),
+        (dict(placement=[0]), ValueError, "1 entries for 2 stages"),
         (dict(placement=[0, 9]), ValueError, "index 9 is not a valid index into 4 devices"),
         (dict(devices=["gpu0"]), TypeError, "jax.Device"),
         (dict(optimizer="sgd"), TypeError, "optax.GradientTransformation"),

@@ -1,20 +1,24 @@
-"""Properties that must hold whatever the reference says: K=1 is backprop, layouts
-do not change numbers, the papers' delays, no update during fill, one compile per function."""
+"""Properties that must hold whatever the reference says: K=1 is backprop, layouts and
+replicas do not change numbers, the papers' delays, no update during fill, one compile
+per function."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import batches, build_stages, run_pipeline, stage_params, stage_rests
+from helpers import (
+    SMOOTH_OPTIMIZER,
+    assert_close,
+    batches,
+    build_pipeline,
+    params_of,
+    rests_of,
+    run_pipeline,
+)
 
 import dgrad
 from dgrad import models
-
-
-def assert_trees_close(a, b, rtol=1e-6, atol=1e-7):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -35,10 +39,10 @@ def test_one_stage_is_backprop_for_every_method(model):
             memory=memory,
             beta=0.5 if method == "fdg" else 1.0,
         )
-        assert_trees_close(stage_params(state), stage_params(bp_state))
-        assert_trees_close(stage_rests(state), stage_rests(bp_state))
+        assert_close(params_of(state), params_of(bp_state), 1e-6, 1e-7)
+        assert_close(rests_of(state), rests_of(bp_state), 1e-6, 1e-7)
         assert [m["batch"] for m in history] == list(range(6))
-        assert_trees_close([m["loss"] for m in history], [m["loss"] for m in bp_metrics])
+        assert_close([m["loss"] for m in history], [m["loss"] for m in bp_metrics], 1e-6, 1e-7)
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
@@ -50,8 +54,8 @@ def test_staged_backprop_equals_fused_backprop(model, num_stages):
     _, staged, _ = run_pipeline(
         model, num_stages, steps=5, method="bp", devices=jax.devices()[:num_stages]
     )
-    assert_trees_close(stage_params(staged), stage_params(fused), rtol=1e-5, atol=1e-6)
-    assert_trees_close(stage_rests(staged), stage_rests(fused), rtol=1e-5, atol=1e-6)
+    assert_close(params_of(staged), params_of(fused), rtol=1e-5, atol=1e-6)
+    assert_close(rests_of(staged), rests_of(fused), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -65,6 +69,7 @@ def test_device_mapping_does_not_change_numbers(method, weights, memory):
         dict(devices=devices[:2]),  # two stages per device
         dict(devices=devices, placement=[3, 2, 1, 0]),
         dict(devices=devices, placement=[0, 1, 0, 1]),
+        dict(devices=devices, placement=[[0, 1], [0, 1], [2, 3], [2, 3]]),  # 2 replicas
     ]
     results = []
     for layout in layouts:
@@ -75,13 +80,32 @@ def test_device_mapping_does_not_change_numbers(method, weights, memory):
             weights=weights,
             memory=memory,
             beta=0.7 if method == "fdg" else 1.0,
+            optimizer=SMOOTH_OPTIMIZER,
             **layout,
         )
-        for device, stage in zip(pipe.devices, state.stages):
-            assert all(leaf.devices() == {device} for leaf in jax.tree.leaves(stage))
-        results.append((stage_params(state), stage_rests(state)))
+        for group, stage in zip(pipe.placement.groups, state.stages):
+            assert all(leaf.devices() == set(group) for leaf in jax.tree.leaves(stage))
+        results.append((params_of(state), rests_of(state)))
     for other in results[1:]:
-        assert_trees_close(other, results[0], rtol=1e-6, atol=1e-7)
+        assert_close(other, results[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["bp", "ddg", "fdg"])
+def test_replicas_do_not_change_numbers(method):
+    """K=2 x D=2 and K=1 x D=4 against D=1 with the same global batch; fused BP over 4."""
+    options = dict(method=method, beta=0.5 if method == "fdg" else 1.0, optimizer=SMOOTH_OPTIMIZER)
+    _, single, _ = run_pipeline("cnn", 2, devices=jax.devices()[:2], **options)
+    pipe, replicated, _ = run_pipeline("cnn", 2, devices=jax.devices(), data_parallel=2, **options)
+    assert [len(group) for group in pipe.placement.groups] == [2, 2]
+    assert_close(params_of(replicated), params_of(single))
+    assert_close(rests_of(replicated), rests_of(single))
+    _, one, _ = run_pipeline("cnn", 1, devices=jax.devices()[:1], **options)
+    _, four, _ = run_pipeline("cnn", 1, devices=jax.devices(), data_parallel=-1, **options)
+    assert_close(params_of(four), params_of(one))
+    if method == "bp":
+        options["fused"] = True
+        _, fused, _ = run_pipeline("cnn", 1, devices=jax.devices(), data_parallel=4, **options)
+        assert_close(params_of(fused), params_of(one))
 
 
 def _marked_stream(num_batches, marked, width=5):
@@ -113,9 +137,9 @@ def _steps_where_params_change(num_stages, method, stream, optimizer, **kwargs):
     state = pipe.init(stream[0])
     changed = [[] for _ in range(num_stages)]
     for t, batch in enumerate(stream):
-        before = stage_params(state)
+        before = params_of(state)
         state, _ = pipe.step(state, batch)
-        for k, (old, new) in enumerate(zip(before, stage_params(state))):
+        for k, (old, new) in enumerate(zip(before, params_of(state))):
             if any(np.any(a != b) for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))):
                 changed[k].append(t)
     return changed
@@ -169,6 +193,7 @@ def test_learning_rate_schedules_count_each_stages_own_updates():
         ("ddg", "current", "recompute", False),
         ("fdg", "stash", "recompute", False),
         ("fdg", "stash", "residuals", False),
+        ("fdg", "stash", "dots", False),
     ],
 )
 def test_each_stage_function_compiles_once(method, weights, memory, fused):
@@ -192,19 +217,16 @@ def test_each_stage_function_compiles_once(method, weights, memory, fused):
 
 
 def _compile_counts(pipe):
-    counts = {
+    return {
         (k, name): fn._cache_size()
-        for k, stage in enumerate(pipe.stages)
-        for name, fn in stage.jitted().items()
+        for k, functions in enumerate(pipe._calls)
+        for name, fn in functions.items()
     }
-    if pipe.fused:
-        counts["fused"] = pipe._fused_step._cache_size()
-    return counts
 
 
 def test_nonfinite_loss_is_flagged():
     data = batches("mlp", 4)
-    pipe = dgrad.Pipeline(build_stages("mlp", 2), method="ddg", optimizer=optax.sgd(0.1))
+    pipe = build_pipeline("mlp", 2, method="ddg", optimizer=optax.sgd(0.1))
     state = pipe.init(data[0])
     state, _ = pipe.step(state, data[0])
     pipe.check_finite(state)

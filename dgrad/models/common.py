@@ -9,7 +9,11 @@ he_normal = nnx.initializers.variance_scaling(2.0, "fan_in", "normal")
 
 
 def as_rngs(rngs) -> nnx.Rngs:
-    """Accepts an `nnx.Rngs`, a JAX key or an integer seed."""
+    """Accepts an `nnx.Rngs`, a JAX key or an integer seed.
+
+    >>> isinstance(as_rngs(0), nnx.Rngs)
+    True
+    """
     if isinstance(rngs, nnx.Rngs):
         return rngs
     if isinstance(rngs, int) or isinstance(rngs, jax.Array):

@@ -36,14 +36,13 @@ from dgrad.optim.delay import (
 )
 from dgrad.optim.prediction import momentum_of, predict_weights
 from dgrad.optim.schedules import PipeMareState, accumulate, pipemare_rescale
-from dgrad.optim.shrink import check_beta, shrink
+from dgrad.optim.shrink import shrink
 
 __all__ = [
     "DelayCompensationState",
     "DelayState",
     "PipeMareState",
     "accumulate",
-    "check_beta",
     "delay",
     "delay_compensation",
     "delayed",

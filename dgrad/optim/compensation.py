@@ -6,12 +6,6 @@ the current weights with a cheap diagonal Hessian approximation:
 by the root of a running mean of `g * g`. The stale weights come in as the
 keyword argument `stale_params` (the pipeline passes the weights the batch's
 forward used).
-
->>> import jax.numpy as jnp
->>> tx = delay_compensation(0.5)
->>> g, now, stale = jnp.array([2.0]), jnp.array([1.0]), jnp.array([0.5])
->>> tx.update(g, tx.init(now), now, stale_params=stale)[0]  # 2 + 0.5 * 4 * 0.5
-Array([3.], dtype=float32)
 """
 
 from __future__ import annotations
@@ -39,6 +33,12 @@ def delay_compensation(
       adaptive: use `lambda / sqrt(mean_square + eps)`, DC-ASGD-a.
       decay: the running mean's decay m: `ms = m * ms + (1 - m) * g * g`.
       eps: added under the root.
+
+    >>> import jax.numpy as jnp
+    >>> tx = delay_compensation(0.5)
+    >>> g, now, stale = jnp.array([2.0]), jnp.array([1.0]), jnp.array([0.5])
+    >>> tx.update(g, tx.init(now), now, stale_params=stale)[0]  # 2 + 0.5 * 4 * 0.5
+    Array([3.], dtype=float32)
     """
     if not strength >= 0:
         raise ValueError(f"strength (lambda) must be non-negative, got {strength}.")

@@ -63,6 +63,18 @@ def delay(inner: optax.GradientTransformation, tau: int) -> optax.GradientTransf
     Returns:
       A transformation whose first `tau` updates are zero and leave `inner`'s
       state untouched.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = delay(optax.sgd(1.0), tau=2)
+    >>> params = jnp.zeros(1)
+    >>> state = tx.init(params)
+    >>> for g in [1.0, 2.0, 3.0, 4.0]:
+    ...     updates, state = tx.update(jnp.array([g]), state, params)
+    ...     print(updates)
+    [0.]
+    [0.]
+    [-1.]
+    [-2.]
     """
     tau = _check_tau(tau)
     inner = optax.with_extra_args_support(inner)
@@ -93,18 +105,36 @@ def delayed(tau: int) -> optax.GradientTransformationExtraArgs:
 
     Chain it in front of an optimizer to delay gradients only; wrap the
     optimizer with `delay` instead to also skip its steps while filling.
+
+    >>> import jax.numpy as jnp
+    >>> tx = delayed(1)
+    >>> state = tx.init(jnp.zeros(1))
+    >>> out = []
+    >>> for g in (5.0, 7.0):
+    ...     updates, state = tx.update(jnp.array([g]), state)
+    ...     out.append(float(updates[0]))
+    >>> out  # zeros while filling, then the gradient of one update ago
+    [0.0, 5.0]
     """
     return delay(optax.identity(), tau)
 
 
 def pipeline_delays(method: str, num_stages: int) -> list[int]:
-    """The weight staleness of each stage: BP 0, DDG K-1-k, FDG 2(K-1-k)-1 (last: 0)."""
+    """The weight staleness of each stage: BP 0, DDG K-1-k, FDG 2(K-1-k)-1 (last: 0).
+
+    >>> pipeline_delays("fdg", 4)
+    [5, 3, 1, 0]
+    """
     schedule = Schedule(method, num_stages)
     return [schedule.weight_staleness(k) for k in range(num_stages)]
 
 
 def stage_labels(stage_params: Sequence[Any]) -> list[Any]:
-    """Labels each leaf of a list of per-stage parameter trees with its stage index."""
+    """Labels each leaf of a list of per-stage parameter trees with its stage index.
+
+    >>> stage_labels([{"w": 1.0}, {"w": 2.0, "b": 3.0}])
+    [{'w': 0}, {'b': 1, 'w': 1}]
+    """
     return [jax.tree.map(lambda _, k=k: k, params) for k, params in enumerate(stage_params)]
 
 

@@ -3,13 +3,6 @@
 A stage whose gradient will be applied `tau` updates from now can forward with
 the weights it is expected to have by then: `w - tau * lr * v`, with `v` the
 optimizer's momentum (the direction its steps keep going).
-
->>> import jax.numpy as jnp, optax
->>> tx = optax.sgd(0.1, momentum=0.9)
->>> params = {"w": jnp.array([1.0])}
->>> _, state = tx.update({"w": jnp.array([2.0])}, tx.init(params), params)
->>> predict_weights(params, state, tau=3, learning_rate=0.1)["w"]  # 1 - 3 * 0.1 * 2
-Array([0.39999998], dtype=float32)
 """
 
 from __future__ import annotations
@@ -21,7 +14,12 @@ import optax
 
 
 def momentum_of(opt_state) -> Any:
-    """The momentum trace in an optax state (from `optax.trace`, e.g. `optax.sgd(momentum=...)`)."""
+    """The momentum trace in an optax state (from `optax.trace`, e.g. `optax.sgd(momentum=...)`).
+
+    >>> import jax.numpy as jnp, optax
+    >>> momentum_of(optax.sgd(0.1, momentum=0.9).init(jnp.zeros(2)))
+    Array([0., 0.], dtype=float32)
+    """
     traces = optax.tree_utils.tree_get_all_with_path(opt_state, "trace")
     if not traces:
         raise ValueError(
@@ -34,7 +32,15 @@ def momentum_of(opt_state) -> Any:
 
 
 def predict_weights(params, opt_state, tau: int, learning_rate: float):
-    """Returns `params - tau * learning_rate * momentum` (the weights `tau` steps ahead)."""
+    """Returns `params - tau * learning_rate * momentum` (the weights `tau` steps ahead).
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = optax.sgd(0.1, momentum=0.9)
+    >>> params = {"w": jnp.array([1.0])}
+    >>> _, state = tx.update({"w": jnp.array([2.0])}, tx.init(params), params)
+    >>> predict_weights(params, state, tau=3, learning_rate=0.1)["w"]  # 1 - 3 * 0.1 * 2
+    Array([0.39999998], dtype=float32)
+    """
     if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
         raise ValueError(f"tau must be a non-negative integer, got {tau!r}.")
     velocity = momentum_of(opt_state)

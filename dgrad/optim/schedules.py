@@ -1,15 +1,4 @@
-"""Step-size and gradient-count remedies for staleness: PipeMare and accumulation.
-
->>> import jax.numpy as jnp
->>> tx = pipemare_rescale(tau=4, horizon=2)
->>> state = tx.init(jnp.zeros(1))
->>> for _ in range(3):
-...     updates, state = tx.update(jnp.ones(1), state)
-...     print(updates)  # 4**-1, 4**-0.5, 4**0
-[0.25]
-[0.5]
-[1.]
-"""
+"""Step-size and gradient-count remedies for staleness: PipeMare and accumulation."""
 
 from __future__ import annotations
 
@@ -31,6 +20,16 @@ def pipemare_rescale(tau: int, horizon: int) -> optax.GradientTransformation:
     so a stale stage starts with its step divided by its delay and reaches the
     full step after `horizon` updates. Chain it after the optimizer. Delays 0
     and 1 are not rescaled.
+
+    >>> import jax.numpy as jnp
+    >>> tx = pipemare_rescale(tau=4, horizon=2)
+    >>> state = tx.init(jnp.zeros(1))
+    >>> for _ in range(3):
+    ...     updates, state = tx.update(jnp.ones(1), state)
+    ...     print(updates)  # 4**-1, 4**-0.5, 4**0
+    [0.25]
+    [0.5]
+    [1.]
     """
     if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
         raise ValueError(f"tau must be a non-negative integer, got {tau!r}.")
@@ -56,6 +55,15 @@ def accumulate(inner: optax.GradientTransformation, every: int) -> optax.Gradien
 
     Fewer, larger steps shrink the staleness measured in updates (ADL's remedy);
     between steps the updates are zero.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = accumulate(optax.sgd(1.0), every=2)
+    >>> state, steps = tx.init(jnp.zeros(1)), []
+    >>> for g in (1.0, 3.0):
+    ...     updates, state = tx.update(jnp.array([g]), state, jnp.zeros(1))
+    ...     steps.append(abs(float(updates[0])))
+    >>> steps  # nothing, then the mean of the two
+    [0.0, 2.0]
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive integer, got {every!r}.")

@@ -4,36 +4,17 @@
 puts it in front of stage k's optimizer with `depth = K-1-k`, so that weight
 decay and momentum inside the optimizer see the shrunk gradient but decay is
 not itself shrunk.
-
->>> import jax.numpy as jnp, optax
->>> tx = optax.chain(shrink(0.5, depth=2), optax.add_decayed_weights(0.1), optax.sgd(1.0))
->>> params = {"w": jnp.array([1.0])}
->>> updates, _ = tx.update({"w": jnp.array([4.0])}, tx.init(params), params)
->>> updates["w"]  # -(0.5**2 * 4 + 0.1 * 1)
-Array([-1.1], dtype=float32)
 """
 
 from __future__ import annotations
 
-import math
 import numbers
 
 import jax
 import jax.numpy as jnp
 import optax
 
-
-def check_beta(beta) -> float:
-    """Returns `beta` as a float if it is a valid shrinking factor, else raises."""
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
-        raise TypeError(f"beta must be a real number in (0, 1], got {beta!r}.")
-    beta = float(beta)
-    if not (math.isfinite(beta) and 0.0 < beta <= 1.0):
-        raise ValueError(
-            f"beta must lie in (0, 1] (1 means no shrinking; the FDG paper used 0.2-0.8), "
-            f"got {beta}."
-        )
-    return beta
+from dgrad.options import check_beta
 
 
 def shrink(beta: float, depth: int) -> optax.GradientTransformation:
@@ -46,6 +27,13 @@ def shrink(beta: float, depth: int) -> optax.GradientTransformation:
 
     Returns:
       A stateless `optax.GradientTransformation`.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = optax.chain(shrink(0.5, depth=2), optax.add_decayed_weights(0.1), optax.sgd(1.0))
+    >>> params = {"w": jnp.array([1.0])}
+    >>> updates, _ = tx.update({"w": jnp.array([4.0])}, tx.init(params), params)
+    >>> updates["w"]  # -(0.5**2 * 4 + 0.1 * 1)
+    Array([-1.1], dtype=float32)
     """
     beta = check_beta(beta)
     if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 0:

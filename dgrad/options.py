@@ -1,0 +1,143 @@
+"""How a pipeline trains: its options, each checked in one place.
+
+`Options` is the one source of every rule about a pipeline's settings:
+`dgrad.Pipeline` builds one from its keyword arguments and the experiment
+configs build one from their fields, so both refuse the same settings with the
+same message. Each field's help text is where the field is defined; the
+command line's `--help` reads it from here.
+
+>>> Options(method="fdg", beta=0.5).shrinks
+True
+>>> Options(method="ddg", beta=0.5)
+Traceback (most recent call last):
+...
+ValueError: beta=0.5 asks for gradient shrinking, which only FDG has; use method=fdg or beta=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+METHODS = ("bp", "ddg", "fdg")
+WEIGHT_POLICIES = ("stash", "current")
+MEMORY_POLICIES = ("residuals", "dots", "recompute")
+PLACEMENTS = ("spread", "interleaved", "one_per_device")  # see dgrad.placement
+
+
+def _help(default, text: str):
+    return dataclasses.field(default=default, metadata={"help": text})
+
+
+def check_beta(beta) -> float:
+    """Returns `beta` as a float if it is a valid shrinking factor, else raises ValueError."""
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+        raise ValueError(f"beta must be a number in (0, 1], got {beta!r}.")
+    beta = float(beta)
+    if not (math.isfinite(beta) and 0.0 < beta <= 1.0):
+        raise ValueError(
+            f"beta must lie in (0, 1] (1 means no shrinking; the FDG paper used 0.2-0.8), "
+            f"got {beta}."
+        )
+    return beta
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"Unknown {name} {value!r}; choose one of: {', '.join(choices)}.")
+
+
+def _integer(name: str, value, minimum: int, fix: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}; {fix}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A pipeline's training options, validated on construction (ValueError names the fix)."""
+
+    method: str = _help(
+        "fdg",
+        "training method: bp (backprop), ddg (decoupled backward, Huo et al. 2018), fdg (fully "
+        "decoupled, Zhuang et al. 2019); dgrad.schedule states each timetable",
+    )
+    beta: float = _help(
+        1.0,
+        "FDG gradient shrinking: stage k's gradient is scaled by beta**(K-1-k) (1 = none)",
+    )
+    weights: str = _help(
+        "stash",
+        "weights of the delayed backward: stash (those the batch's forward used) or current "
+        "(the stage's weights at backward time; needs memory=recompute)",
+    )
+    memory: str = _help(
+        "residuals",
+        "what a stage keeps for its delayed backward: residuals (everything the VJP saves), "
+        "dots (only matmul and convolution outputs, the rest recomputed) or recompute (only "
+        "the stage input; the forward is recomputed)",
+    )
+    fused: bool = _help(
+        False, "with method=bp: the whole step as one jitted function on one device group"
+    )
+    predict_lr: float | None = _help(
+        None,
+        "forward with weights predicted as many updates ahead as the stage is stale: "
+        "w - tau * predict_lr * momentum (SpecTrain); None = no prediction",
+    )
+    data_parallel: int = _help(
+        1,
+        "D, devices per stage: each stage is replicated on D devices and the batch split "
+        "between them (-1: every device, D = devices // stages)",
+    )
+
+    def __post_init__(self):
+        _choice("method", self.method, METHODS)
+        object.__setattr__(self, "beta", check_beta(self.beta))
+        if self.beta != 1.0 and not self.shrinks:
+            raise ValueError(
+                f"beta={self.beta:g} asks for gradient shrinking, which only FDG has; use "
+                "method=fdg or beta=1."
+            )
+        _choice("weights policy", self.weights, WEIGHT_POLICIES)
+        _choice("memory policy", self.memory, MEMORY_POLICIES)
+        if self.weights == "current" and self.memory != "recompute":
+            raise ValueError(
+                f"weights=current needs memory=recompute: what memory={self.memory} keeps from "
+                "the forward holds the old weights, so the backward would mix stale "
+                "activations with live weights; use weights=stash to keep residuals."
+            )
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused must be True or False, got {self.fused!r}.")
+        if self.fused and self.method != "bp":
+            raise ValueError(
+                f"fused=True is a form of backprop; it needs method=bp, not {self.method}."
+            )
+        if self.predict_lr is not None:
+            if isinstance(self.predict_lr, bool) or not (
+                isinstance(self.predict_lr, numbers.Real) and self.predict_lr > 0
+            ):
+                raise ValueError(
+                    f"predict_lr must be a positive learning rate (or None for no weight "
+                    f"prediction), got {self.predict_lr!r}."
+                )
+            object.__setattr__(self, "predict_lr", float(self.predict_lr))
+        if self.data_parallel != -1:
+            _integer(
+                "data_parallel", self.data_parallel, 1, "use -1 to replicate over every device"
+            )
+
+    @property
+    def shrinks(self) -> bool:
+        """Whether the method has gradient shrinking (FDG)."""
+        return self.method == "fdg"
+
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether kept records hold the weights of their forward (delayed methods, stash)."""
+        return self.method != "bp" and self.weights == "stash"
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Each option's description, by name."""
+        return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
