@@ -1,12 +1,13 @@
 """Record when each stage's work ran on each device, and draw it.
 
-A `Timeline` attached to a pipeline (`pipe.trace(timeline)`) gets every
-dispatched stage function with its inputs and outputs. One watcher thread per
-device waits for them in dispatch order, so the host never stalls: a call's end
-is when its outputs became ready, its start the latest of its dispatch, the end
-of the previous call on that device (a device runs its work in order) and the
-moment its inputs became ready (they may come from another device).
-Buffer donation is off while tracing so that every output can be watched.
+`Timeline.watch(pipe)` gives a view of a pipeline (`Pipeline.observed`) whose
+every stage function call is recorded with its inputs and outputs; the engine
+itself knows nothing of it. One watcher thread per device waits for the calls
+in dispatch order, so the host never stalls: a call's end is when its outputs
+became ready, its start the latest of its dispatch, the end of the previous
+call on that device (a device runs its work in order) and the moment its
+inputs became ready (they may come from another device). The watched
+functions donate no buffers, so that every input and output can be waited on.
 
 >>> import jax, jax.numpy as jnp, optax, dgrad
 >>> from dgrad import models
@@ -14,11 +15,12 @@ Buffer donation is off while tracing so that every output can be watched.
 ...                       optimizer=optax.sgd(0.1))
 >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
 >>> state, timeline = pipe.init(batch), Timeline()
->>> with pipe.trace(timeline):
-...     for _ in range(3):
-...         state, _ = pipe.step(state, batch)
->>> sorted({(e.stage, e.name) for e in timeline.events})[:3]
-[(0, 'backward_kept'), (0, 'forward_keep'), (0, 'update')]
+>>> watched = timeline.watch(pipe)
+>>> for _ in range(3):
+...     state, _ = watched.step(state, batch)
+>>> timeline.close()
+>>> sorted({(e.stage, e.name, e.step) for e in timeline.events})
+[(0, 'forward', 0), (0, 'forward', 1), (0, 'step', 2), (1, 'loss_step', 1), (1, 'loss_step', 2)]
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Event:
     device: int
     stage: int
     name: str
-    batch: int
+    step: int
     start: float
     end: float
 
@@ -53,11 +55,32 @@ class Timeline:
         self._queues: dict[int, queue.SimpleQueue] = {}
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._step = 0
 
-    def record(
-        self, device: jax.Device, stage: int, name: str, batch: int, inputs, outputs
-    ) -> None:
-        """Called by the pipeline right after it dispatches a stage function."""
+    def watch(self, pipe):
+        """A view of `pipe` (`Pipeline.observed`) whose stage function calls are recorded here."""
+
+        def wrap(stage, name, function):
+            device = pipe.placement.groups[stage][0]
+
+            def recorded(*args):
+                outputs = function(*args)
+                self._record(device, stage, name, args, outputs)
+                return outputs
+
+            return recorded
+
+        view = pipe.observed(wrap)
+        step = view.step
+
+        def counted_step(state, batch):
+            self._step = state.step
+            return step(state, batch)
+
+        view.step = counted_step
+        return view
+
+    def _record(self, device: jax.Device, stage: int, name: str, inputs, outputs) -> None:
         dispatched = time.perf_counter()
         if device.id not in self._queues:
             self._queues[device.id] = queue.SimpleQueue()
@@ -66,12 +89,12 @@ class Timeline:
             )
             thread.start()
             self._threads.append(thread)
-        self._queues[device.id].put((stage, name, batch, dispatched, inputs, outputs))
+        self._queues[device.id].put((stage, name, self._step, dispatched, inputs, outputs))
 
     def _watch(self, device: int, pending: queue.SimpleQueue) -> None:
         previous_end = 0.0
         while (item := pending.get()) is not None:
-            stage, name, batch, dispatched, inputs, outputs = item
+            stage, name, step, dispatched, inputs, outputs = item
             jax.block_until_ready(inputs)
             inputs_ready = time.perf_counter() - self._origin
             jax.block_until_ready(outputs)
@@ -79,7 +102,7 @@ class Timeline:
             start = min(max(dispatched - self._origin, previous_end, inputs_ready), end)
             previous_end = end
             with self._lock:
-                self.events.append(Event(device, stage, name, batch, start, end))
+                self.events.append(Event(device, stage, name, step, start, end))
 
     def close(self) -> None:
         """Waits for every recorded call to finish; call before reading `events`."""
@@ -109,7 +132,7 @@ class Timeline:
                 "dur": 1e6 * (e.end - e.start),
                 "pid": e.device,
                 "tid": e.stage,
-                "args": {"batch": e.batch},
+                "args": {"step": e.step},
             }
             for e in self.events
         ]
@@ -122,20 +145,19 @@ class Timeline:
 
     def gantt(self, path, title: str = "") -> None:
         """Draws one row per device, a bar per stage function, colour by kind (PNG)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Rectangle
 
         colours = {
             "forward": "tab:blue",
+            "step": "tab:green",
             "backward": "tab:orange",
-            "update": "tab:green",
             "loss": "tab:red",
             "fused": "tab:purple",
         }
         devices = sorted({e.device for e in self.events})
-        fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * len(devices)))
+        fig = Figure(figsize=(12, 1.2 + 0.8 * len(devices)))
+        ax = fig.subplots()
         for row, device in enumerate(devices):
             for e in (e for e in self.events if e.device == device):
                 kind = next((k for k in colours if e.name.startswith(k)), "fused")
@@ -152,8 +174,7 @@ class Timeline:
         )
         ax.set_xlabel("milliseconds")
         ax.set_title(title)
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+        handles = [Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
         ax.legend(handles, list(colours), loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-        plt.close(fig)

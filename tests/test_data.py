@@ -64,7 +64,8 @@ def test_eval_batches_pad_the_last_batch_and_mask_it():
 def test_crop_and_flip_are_shifts_and_mirrors_of_the_image():
     rng = np.random.default_rng(0)
     images = rng.integers(1, 256, (64, 6, 6, 3), dtype=np.uint8)
-    out = augment.random_crop_and_flip(images, np.random.default_rng(1), padding=2)
+    rows = augment.crop_and_flip_rows(np.random.default_rng(1), len(images), padding=2)
+    out = augment.crop_and_flip(images, rows, padding=2)
     flips = 0
     for image, crop in zip(images, out):
         padded = np.pad(image, ((2, 2), (2, 2), (0, 0)))
@@ -134,9 +135,10 @@ def test_stream_can_place_batches_on_a_device_ahead_of_time():
     import jax
 
     source = data.synthetic(32, (4, 4, 3), seed=0)
-    transform = augment.cifar_eval((0.5,) * 3, (0.25,) * 3)
+    transform = augment.cifar_train((0.5,) * 3, (0.25,) * 3)
     device = jax.devices()[2]
-    stream = data.Stream(source, 8, transform=transform, seed=0, device=device)
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    stream = data.Stream(source, 8, transform=transform, seed=0, sharding=sharding)
     for step, (x, y) in enumerate(stream.iterate(0, 3)):
         assert x.devices() == {device} and y.devices() == {device}
         expected = stream.batch(step)

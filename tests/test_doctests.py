@@ -1,44 +1,33 @@
-"""The docstring examples run and say what they show."""
+"""Every module's docstring examples run and say what they show."""
 
 import doctest
 import importlib
+import pkgutil
 
 import pytest
 
-MODULES = [
-    "dgrad.schedule",
-    "dgrad.optim",
-    "dgrad.optim.shrink",
-    "dgrad.optim.delay",
-    "dgrad.optim.compensation",
-    "dgrad.optim.prediction",
-    "dgrad.optim.schedules",
-    "dgrad.optim.per_stage",
-    "dgrad.losses",
-    "dgrad.stage",
-    "dgrad.placement",
-    "dgrad.pipeline",
-    "dgrad.reference",
-    "dgrad.models.split",
-    "dgrad.models.mlp",
-    "dgrad.models.resnet",
-    "dgrad.balance",
-    "dgrad.data",
-    "dgrad.data.arrays",
-    "dgrad.data.digits",
-    "dgrad.data.augment",
-    "dgrad.data.stream",
-    "dgrad.checkpoint",
-    "dgrad.export",
-    "dgrad.metrics",
-    "dgrad.progress",
-    "dgrad.experiment",
-    "dgrad.timeline",
-]
+import dgrad
+
+MODULES = sorted(
+    module.name
+    for module in pkgutil.walk_packages(dgrad.__path__, prefix="dgrad.")
+    if module.name not in ("dgrad.train.cli",)  # its examples are shell commands
+)
+WITHOUT_EXAMPLES = {
+    "dgrad.data.tfds_source",  # needs a prepared dataset; tested on tfds mock data
+    "dgrad.models",
+    "dgrad.train.loop",  # the loop of dgrad.train's example
+}
+
+
+def test_every_module_is_listed():
+    assert "dgrad.pipeline" in MODULES and "dgrad.train.checkpoint" in MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0, f"{name} has no examples"
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    if name not in WITHOUT_EXAMPLES:
+        assert result.attempted > 0, f"{name} has no examples"
     assert result.failed == 0

@@ -5,19 +5,16 @@ import io
 import jax
 import numpy as np
 import pytest
-from helpers import batches, build_stages, optimizer
+from helpers import batches, build_pipeline, build_stages
 
-import dgrad
-from dgrad import export, metrics
-from dgrad.progress import Progress
+from dgrad.train import export, metrics
+from dgrad.train.progress import Progress
 
 
 @pytest.mark.parametrize("method", ["fdg", "ddg"])
 def test_merged_model_predicts_like_the_pipeline(tmp_path, method):
     data = batches("cnn", 7)
-    pipe = dgrad.Pipeline(
-        build_stages("cnn", 3), optimizer=optimizer, method=method, devices=jax.devices()[1:4]
-    )
+    pipe = build_pipeline("cnn", 3, method=method, devices=jax.devices()[1:4])
     state = pipe.init(data[0])
     for batch in data:
         state, _ = pipe.step(state, batch)
@@ -46,10 +43,16 @@ def test_metric_writer_feeds_tensorboard(tmp_path):
     ]
 
 
-def test_curves_png(tmp_path):
+def test_curves_png_leaves_the_global_backend_alone(tmp_path):
+    import matplotlib
+
+    backend = matplotlib.get_backend()
     records = [{"epoch": e, "train_loss": 1 / e, "test_accuracy": e / 4} for e in (1, 2, 3)]
-    path = metrics.plot_curves({"FDG K=2": records, "BP": records}, tmp_path / "curves.png")
+    path = metrics.plot_curves(
+        {"FDG K=2": records, "BP": records}, tmp_path / "curves.png", title="default: digits"
+    )
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert matplotlib.get_backend() == backend
 
 
 class Terminal(io.StringIO):
@@ -57,15 +60,15 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_progress_bar_on_a_terminal_redraws_one_line():
+def test_progress_bar_on_a_terminal_is_tqdm():
     out = Terminal()
-    progress = Progress(total=10, start=0, batch_size=8, stream=out)
+    progress = Progress(total=10, start=0, batch_size=8, stream=out, label="fdg_k2 ")
     for step in range(1, 11):
         progress.update(step, loss=0.5)
     progress.close()
     text = out.getvalue()
-    assert text.startswith("\r[") and text.endswith("\n") and text.count("\n") == 1
-    assert "step 10/10 100%" in text and "samples/s" in text and "loss 0.5000" in text
+    assert "\r" in text and text.endswith("\n") and text.count("\n") == 1  # one line, redrawn
+    assert "fdg_k2" in text and "100%" in text and "sample/s" in text and "loss=0.5000" in text
 
 
 def test_progress_lines_elsewhere_come_every_few_steps():

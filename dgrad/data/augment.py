@@ -1,27 +1,45 @@
 """Batch transforms: augmentation and normalisation on the host, in numpy.
 
-A transform maps `(images, labels, rng)` to float32 NHWC inputs and int32
-labels. Training transforms draw from `rng` (a `np.random.Generator`), so a
-batch is a pure function of its seed.
+A `Transform` turns examples into float32 NHWC inputs and int32 labels in two
+parts: `draw(rng, n)` draws the randomness of a whole batch of n examples, one
+row per example, and `apply(images, labels, rows)` transforms any examples
+given their rows. A process that prepares only its own part of a global batch
+draws for the whole batch and applies its rows, so it computes exactly the
+numbers a single process would: augmentation does not depend on how the batch
+is split.
 
 >>> images = np.zeros((2, 32, 32, 3), np.uint8)
 >>> transform = cifar_train(CIFAR10_MEAN, CIFAR10_STD)
 >>> x, y = transform(images, np.array([1, 2]), np.random.default_rng(0))
 >>> x.shape, x.dtype, y.dtype
 ((2, 32, 32, 3), dtype('float32'), dtype('int32'))
+>>> rows = transform.draw(np.random.default_rng(0), 2)
+>>> bool(np.array_equal(transform.apply(images[1:], np.array([2]), rows[1:])[0], x[1:]))
+True
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
-Transform = Callable[
-    [Sequence[np.ndarray] | np.ndarray, np.ndarray, np.random.Generator],
-    tuple[np.ndarray, np.ndarray],
-]
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+    """`apply(images, labels, rows)` -> `(inputs, labels)`; `draw(rng, n)` -> one row of
+    randomness per example (absent for deterministic transforms, whose rows are None)."""
+
+    apply: Callable
+    draw: Callable | None = None
+
+    def __call__(self, images, labels, rng: np.random.Generator | None = None):
+        """Transforms a whole batch, drawing its randomness from `rng`."""
+        rows = None if self.draw is None else self.draw(rng, len(labels))
+        return self.apply(images, labels, rows)
+
 
 CIFAR10_MEAN, CIFAR10_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 CIFAR100_MEAN, CIFAR100_STD = (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)
@@ -35,39 +53,46 @@ def normalise(images: np.ndarray, mean, std) -> np.ndarray:
     return ((np.asarray(images, np.float32) / 255.0 - mean) / std).astype(np.float32)
 
 
-def identity(images, labels, rng=None):
-    """Images that are already model inputs (the digits): only fixes the dtypes."""
+def _as_inputs(images, labels, rows=None):
     return np.asarray(images, np.float32), np.asarray(labels, np.int32)
 
 
-def random_crop_and_flip(images: np.ndarray, rng: np.random.Generator, padding: int = 4):
-    """Zero-pads by `padding`, crops back to the original size at a random offset,
-    and flips half the images left to right (the standard CIFAR augmentation)."""
+identity = Transform(_as_inputs)
+"""Images that are already model inputs (the digits): only fixes the dtypes."""
+
+
+def crop_and_flip_rows(rng: np.random.Generator, n: int, padding: int = 4) -> np.ndarray:
+    """Per example: crop offsets (top, left) in [0, 2 * padding] and a flip flag."""
+    offsets = rng.integers(0, 2 * padding + 1, (n, 2))
+    flips = rng.random(n) < 0.5
+    return np.concatenate([offsets, flips[:, None]], axis=1)
+
+
+def crop_and_flip(images: np.ndarray, rows: np.ndarray, padding: int = 4) -> np.ndarray:
+    """Zero-pads by `padding`, crops back to the original size at each row's offset, and
+    flips where the row says (the standard CIFAR augmentation)."""
     n, h, w, _ = images.shape
     padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-    top = rng.integers(0, 2 * padding + 1, n)
-    left = rng.integers(0, 2 * padding + 1, n)
-    flip = rng.random(n) < 0.5
     out = np.empty_like(images)
-    for i in range(n):
-        crop = padded[i, top[i] : top[i] + h, left[i] : left[i] + w]
-        out[i] = crop[:, ::-1] if flip[i] else crop
+    for i, (top, left, flip) in enumerate(rows):
+        crop = padded[i, top : top + h, left : left + w]
+        out[i] = crop[:, ::-1] if flip else crop
     return out
 
 
 def cifar_train(mean, std, padding: int = 4) -> Transform:
-    def transform(images, labels, rng):
-        images = random_crop_and_flip(np.asarray(images), rng, padding)
+    def apply(images, labels, rows):
+        images = crop_and_flip(np.asarray(images), rows, padding)
         return normalise(images, mean, std), np.asarray(labels, np.int32)
 
-    return transform
+    return Transform(apply, lambda rng, n: crop_and_flip_rows(rng, n, padding))
 
 
 def cifar_eval(mean, std) -> Transform:
-    def transform(images, labels, rng=None):
+    def apply(images, labels, rows=None):
         return normalise(images, mean, std), np.asarray(labels, np.int32)
 
-    return transform
+    return Transform(apply)
 
 
 def _random_resized_box(height, width, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)):
@@ -88,18 +113,26 @@ def _random_resized_box(height, width, rng, scale=(0.08, 1.0), ratio=(3 / 4, 4 /
 
 
 def imagenet_train(size: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Transform:
-    """Random-resized crop to `size` and a random horizontal flip (images of any size)."""
+    """Random-resized crop to `size` and a random horizontal flip (images of any size).
+
+    Each example's row is the seed of its own generator (the crop box is found by
+    rejection sampling, which draws a varying number of values).
+    """
     from PIL import Image
 
-    def transform(images, labels, rng):
+    def draw(rng, n):
+        return rng.integers(0, 2**63 - 1, n)
+
+    def apply(images, labels, rows):
         out = np.empty((len(images), size, size, 3), np.uint8)
-        for i, image in enumerate(images):
+        for i, (image, seed) in enumerate(zip(images, rows)):
+            rng = np.random.default_rng(seed)
             box = _random_resized_box(image.shape[0], image.shape[1], rng)
             crop = Image.fromarray(image).resize((size, size), Image.BILINEAR, box=box)
             out[i] = np.asarray(crop)[:, ::-1] if rng.random() < 0.5 else np.asarray(crop)
         return normalise(out, mean, std), np.asarray(labels, np.int32)
 
-    return transform
+    return Transform(apply, draw)
 
 
 def imagenet_eval(
@@ -108,7 +141,7 @@ def imagenet_eval(
     """Resize the shorter side to `resize`, then the central `size` x `size` crop."""
     from PIL import Image
 
-    def transform(images, labels, rng=None):
+    def apply(images, labels, rows=None):
         out = np.empty((len(images), size, size, 3), np.uint8)
         for i, image in enumerate(images):
             height, width = image.shape[:2]
@@ -119,4 +152,4 @@ def imagenet_eval(
             out[i] = resized[top : top + size, left : left + size]
         return normalise(out, mean, std), np.asarray(labels, np.int32)
 
-    return transform
+    return Transform(apply)

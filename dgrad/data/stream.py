@@ -6,6 +6,11 @@ each batch draws its augmentation from its own seeded generator. So the
 position in the stream is just the step count: a resumed run asks for
 `stream.iterate(start=step)` and sees exactly the batches it would have seen.
 
+Given the sharding of the first stage's batches, the stream builds each batch
+as one global `jax.Array` from this process's rows only: a process reads and
+augments just the examples its devices hold, and the numbers do not depend on
+how many processes or devices share the batch.
+
 >>> from dgrad.data.arrays import synthetic
 >>> from dgrad.data.augment import identity
 >>> stream = Stream(synthetic(10, (2, 2, 1)), batch_size=4, transform=identity, seed=0)
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 from typing import Iterator, Protocol
 
 import numpy as np
@@ -45,8 +51,9 @@ class Stream:
         fewer makes shorter epochs, each still a fresh permutation.
       prefetch: batches prepared ahead of the consumer.
       workers: threads preparing them (decoding and augmentation release the GIL).
-      device: if given, `iterate` also copies each batch to this device ahead of
-        time (the device of the first stage), so the copy overlaps the training.
+      sharding: if given (the first stage's `Placement.sharded(0)`), `iterate`
+        yields global `jax.Array`s placed so, built ahead of time from this
+        process's rows, so the copy overlaps the training.
     """
 
     def __init__(
@@ -59,7 +66,7 @@ class Stream:
         steps_per_epoch: int | None = None,
         prefetch: int = 4,
         workers: int = 2,
-        device=None,
+        sharding=None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be positive, got {batch_size}.")
@@ -82,34 +89,42 @@ class Stream:
             )
         self.steps_per_epoch = steps_per_epoch or full
         self.prefetch, self.workers = max(1, prefetch), max(1, workers)
-        self.device = device
-        self._order_epoch, self._order = None, None
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._order, self._order_epoch = rng.permutation(len(self.source)), epoch
-        return self._order
+        self.sharding = sharding
 
     def indices(self, step: int) -> np.ndarray:
         """The example indices of batch `step`."""
         epoch, position = divmod(step, self.steps_per_epoch)
         start = position * self.batch_size
-        return self._permutation(epoch)[start : start + self.batch_size]
+        return _permutation(self.seed, len(self.source), epoch)[start : start + self.batch_size]
 
-    def batch(self, step: int, indices: np.ndarray | None = None):
-        """Batch `step`: `(inputs, labels)` numpy arrays."""
-        indices = self.indices(step) if indices is None else indices
-        images, labels = self.source.get(indices)
-        return self.transform(images, labels, np.random.default_rng([self.seed, step, 1]))
+    def batch(self, step: int, rows: slice = slice(None)):
+        """Rows `rows` of batch `step` (default all): `(inputs, labels)` numpy arrays."""
+        indices = self.indices(step)
+        randomness = None
+        if self.transform.draw is not None:
+            rng = np.random.default_rng([self.seed, step, 1])
+            randomness = self.transform.draw(rng, self.batch_size)[rows]
+        images, labels = self.source.get(indices[rows])
+        return self.transform.apply(images, labels, randomness)
 
-    def _prepare(self, step: int, indices: np.ndarray):
-        batch = self.batch(step, indices)
-        if self.device is None:
-            return batch
+    def _prepare(self, step: int):
+        if self.sharding is None:
+            return self.batch(step)
         import jax
 
-        return jax.device_put(batch, self.device)
+        shape = (self.batch_size,)
+        local = self.sharding.addressable_devices_indices_map(shape)
+        pieces = [(device, self.batch(step, index[0])) for device, index in local.items()]
+        example = pieces[0][1] if pieces else self.batch(0, slice(0, 1))
+        return tuple(
+            jax.make_array_from_single_device_arrays(
+                (self.batch_size, *part.shape[1:]),
+                self.sharding,
+                [jax.device_put(rows[i], device) for device, rows in pieces],
+                dtype=part.dtype,
+            )
+            for i, part in enumerate(example)
+        )
 
     def iterate(self, start: int = 0, stop: int | None = None) -> Iterator:
         """Batches `start, start+1, ...` (up to `stop`), `prefetch` of them prepared ahead."""
@@ -120,7 +135,7 @@ class Stream:
             def submit():
                 step = next(steps, None)
                 if step is not None:
-                    ahead.append(pool.submit(self._prepare, step, self.indices(step)))
+                    ahead.append(pool.submit(self._prepare, step))
 
             for _ in range(self.prefetch):
                 submit()
@@ -128,6 +143,12 @@ class Stream:
                 batch = ahead.popleft().result()
                 submit()
                 yield batch
+
+
+@functools.lru_cache(maxsize=8)
+def _permutation(seed: int, size: int, epoch: int) -> np.ndarray:
+    """The order in which epoch `epoch` visits the examples (cached: threads share it)."""
+    return np.random.default_rng([seed, epoch]).permutation(size)
 
 
 def _count(start: int):
@@ -149,5 +170,5 @@ def eval_batches(source: Source, batch_size: int, transform: Transform) -> Itera
         if len(indices) < batch_size:
             mask[len(indices) :] = False
             indices = np.concatenate([indices, np.full(batch_size - len(indices), indices[-1])])
-        inputs, labels = transform(*source.get(indices), None)
+        inputs, labels = transform.apply(*source.get(indices), None)
         yield inputs, labels, mask

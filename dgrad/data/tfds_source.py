@@ -14,6 +14,7 @@ put `ILSVRC2012_img_train.tar` and `ILSVRC2012_img_val.tar` into
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -28,19 +29,28 @@ def default_data_dir() -> str:
 
 
 def how_to_prepare(name: str, data_dir: str) -> str:
-    steps = []
+    """The commands that prepare `name` in `data_dir`, on one line."""
+    manual = ""
     if name.startswith("imagenet"):
-        steps.append(
+        manual = (
             "download ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar from "
-            f"https://image-net.org and put them into {data_dir}/downloads/manual/, then"
+            f"https://image-net.org into {data_dir}/downloads/manual/, then "
         )
-    steps.append(
-        "prepare it once in the array_record format (this step needs TensorFlow, best kept "
-        "in an environment of its own):\n"
-        "    python3 -m venv .tfds && .tfds/bin/pip install tensorflow-cpu tensorflow-datasets\n"
-        f"    .tfds/bin/tfds build {name} --file_format=array_record --data_dir {data_dir}"
+    return (
+        f"{manual}prepare it once (preparing needs TensorFlow, best in an environment of its "
+        "own): python3 -m venv .tfds && .tfds/bin/pip install tensorflow-cpu "
+        f"tensorflow-datasets && .tfds/bin/tfds build {name} --file_format=array_record "
+        f"--data_dir {data_dir}"
     )
-    return "; ".join(steps)
+
+
+def _prepared(name: str, data_dir: str) -> bool:
+    """Whether `data_dir` holds array_record files of `name` (looked up without tfds, so a
+    missing dataset prints no tfds warnings)."""
+    root = os.path.join(data_dir, name)
+    if not os.path.isdir(root):
+        return False
+    return any(".array_record" in file for _, _, files in os.walk(root) for file in files)
 
 
 class TfdsSource:
@@ -58,14 +68,24 @@ class TfdsSource:
                 f"Reading {name!r} needs tensorflow-datasets: pip install 'dgrad[data]'."
             ) from error
         data_dir = data_dir or default_data_dir()
+        absl_logger = logging.getLogger("absl")
+        level = absl_logger.level
+        absl_logger.setLevel(logging.ERROR)  # tfds warns about every folder it did not find
         try:
             self._source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
         except Exception as error:  # noqa: BLE001 -- tfds raises many kinds here
+            if not _prepared(name, data_dir):
+                raise DatasetNotFoundError(
+                    f"Dataset {name} is not prepared in {data_dir}; "
+                    f"{how_to_prepare(name, data_dir)}."
+                ) from None
+            said = " ".join(str(error).split())
             raise DatasetNotFoundError(
-                f"Dataset {name!r} (split {split!r}) is not prepared in {data_dir}. To use it, "
-                f"{how_to_prepare(name, data_dir)}\n(tfds said: {type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''})"
+                f"Dataset {name} (split {split}) in {data_dir} could not be read "
+                f"({type(error).__name__}: {said}); {how_to_prepare(name, data_dir)}."
             ) from None
+        finally:
+            absl_logger.setLevel(level)
         self.name, self.split = name, split
         self.num_classes = int(self._source.dataset_info.features["label"].num_classes)
 

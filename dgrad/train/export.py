@@ -31,18 +31,24 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dgrad.pipeline import Pipeline, PipelineState
+from dgrad.placement import share
 
 
 def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None) -> nnx.Sequential:
     """One `nnx.Sequential` of all stages with `state`'s current weights, in eval mode.
 
-    Every array is copied to `device` (default the first stage's device), so the
-    model runs on one device and shares no buffer with the pipeline.
+    Every array is copied to `device` (default the first stage's first device),
+    so the model runs on one device and shares no buffer with the pipeline.
+    Under several processes the arrays are instead gathered onto one device of
+    every process (`dgrad.placement.share`), and every process calls `save`.
     """
-    device = device or pipe.devices[0]
     modules = []
     for fns, stage in zip(pipe.stages, state.stages):
-        params, rest = jax.device_put((stage.params, stage.rest), device, may_alias=False)
+        if jax.process_count() > 1:
+            params, rest = share((stage.params, stage.rest))
+        else:
+            target = device or pipe.devices[0]
+            params, rest = jax.device_put((stage.params, stage.rest), target, may_alias=False)
         modules.append(nnx.merge(fns.eval_graph, params, rest))
     model = nnx.Sequential(*modules)
     model.eval()

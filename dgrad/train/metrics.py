@@ -44,7 +44,6 @@ class MetricWriter:
     tensorboardX is installed, to TensorBoard (scalars named `kind/name`)."""
 
     def __init__(self, path: str | os.PathLike, tensorboard_dir: str | None = None):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self._file = open(path, "a")
         self._tensorboard = None
@@ -80,14 +79,18 @@ class MetricWriter:
         self.close()
 
 
-def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], path: str | os.PathLike) -> str:
-    """Train loss and test accuracy per epoch of each run (label -> epoch records), as a PNG."""
-    import matplotlib
+def plot_curves(
+    runs: Mapping[str, Iterable[Mapping[str, Any]]], path: str | os.PathLike, title: str = ""
+) -> str:
+    """Train loss and test accuracy per epoch of each run (label -> epoch records), as a PNG.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on a `matplotlib.figure.Figure` of its own: the global backend (a
+    notebook's) is left alone.
+    """
+    from matplotlib.figure import Figure
 
-    figure, (loss_axes, accuracy_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    figure = Figure(figsize=(10, 4.4))
+    loss_axes, accuracy_axes = figure.subplots(1, 2)
     for label, records in runs.items():
         records = list(records)
         epochs = [r["epoch"] for r in records]
@@ -98,7 +101,8 @@ def plot_curves(runs: Mapping[str, Iterable[Mapping[str, Any]]], path: str | os.
     for axes in (loss_axes, accuracy_axes):
         axes.grid(alpha=0.3)
         axes.legend()
+    if title:
+        figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-    plt.close(figure)
     return os.fspath(path)

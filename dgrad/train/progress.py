@@ -1,9 +1,12 @@
-"""Training progress: a one-line bar on a terminal, plain log lines otherwise.
+"""Training progress: a tqdm bar where one can be drawn, plain log lines elsewhere.
+
+On a terminal or in a notebook (`tqdm.auto`) the bar shows samples/s, loss
+and ETA; in logs and captured output one line comes every `every` steps.
 
 >>> import io
 >>> out = io.StringIO()
->>> progress = Progress(total=100, start=0, batch_size=32, stream=out, every=50)
->>> progress.update(50, loss=1.25)
+>>> with Progress(total=100, start=0, batch_size=32, stream=out, every=50) as progress:
+...     progress.update(50, loss=1.25)
 >>> "step 50/100" in out.getvalue() and "loss 1.2500" in out.getvalue()
 True
 """
@@ -21,12 +24,13 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-class Progress:
-    """Shows samples/s, loss and ETA for steps `start..total`.
+def _interactive(stream) -> bool:
+    in_notebook = "ipykernel" in sys.modules and stream in (sys.stdout, sys.stderr)
+    return in_notebook or (hasattr(stream, "isatty") and stream.isatty())
 
-    On a terminal the bar redraws in place at most 5 times a second; elsewhere
-    (logs, notebooks' captured output) it prints one line every `every` steps.
-    """
+
+class Progress:
+    """Progress of steps `start..total` of `batch_size` samples, labelled `label`."""
 
     def __init__(
         self,
@@ -45,38 +49,45 @@ class Progress:
             label,
         )
         self.stream = stream or sys.stderr
-        self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
         self._start_step, self._start_time = start, time.perf_counter()
-        self._last_draw = 0.0
+        self._bar = None
+        if _interactive(self.stream):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=total * batch_size,
+                initial=start * batch_size,
+                unit="sample",
+                unit_scale=True,
+                desc=label.strip() or None,
+                file=self.stream,
+                dynamic_ncols=True,
+                leave=True,
+            )
 
     def update(self, step: int, loss: float | None = None) -> None:
-        now = time.perf_counter()
-        if self.interactive and now - self._last_draw < 0.2 and step < self.total:
+        if self._bar is not None:
+            self._bar.update(step * self.batch_size - self._bar.n)
+            if loss is not None:
+                self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             return
-        if not self.interactive and step % self.every and step < self.total:
+        if step % self.every and step < self.total:
             return
-        self._last_draw = now
-        done = step - self._start_step
-        rate = done / (now - self._start_time) if done > 0 else 0.0
-        eta = (self.total - step) / rate if rate > 0 else float("nan")
-        fraction = step / max(self.total, 1)
+        done, elapsed = step - self._start_step, time.perf_counter() - self._start_time
+        rate = done / elapsed if done > 0 and elapsed > 0 else 0.0
         text = (
-            f"{self.label}step {step}/{self.total} {100 * fraction:3.0f}% | "
+            f"{self.label}step {step}/{self.total} {100 * step / max(self.total, 1):3.0f}% | "
             f"{rate * self.batch_size:7.1f} samples/s"
             + (f" | loss {loss:.4f}" if loss is not None else "")
-            + (f" | ETA {_clock(eta)}" if rate > 0 else "")
+            + (f" | ETA {_clock((self.total - step) / rate)}" if rate > 0 else "")
         )
-        if self.interactive:
-            bar = "#" * int(20 * fraction)
-            self.stream.write(f"\r[{bar:<20}] {text}\033[K")
-        else:
-            self.stream.write(text + "\n")
+        self.stream.write(text + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.interactive:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def __enter__(self):
         return self

@@ -1,7 +1,9 @@
 """CIFAR-100, WRN-28-10: K = 2 (also split for K = 4).
 
 The authors' recipe: SGD 0.1, momentum 0.9, weight decay 5e-4, batch 128, 300 epochs,
-lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
+lr / 10 at epochs 150 and 225 (FDG also 275). Needs CIFAR prepared (see the README);
+`:smoke` is a CPU-sized run of the same data (add --config.dataset=synthetic to try it
+without CIFAR).
 
     python -m experiments.train --workdir runs/cifar100_wrn28_10 \
         --config experiments/configs/cifar100_wrn28_10.py
@@ -9,8 +11,8 @@ lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
         --config experiments/configs/cifar100_wrn28_10.py --config.method=ddg
 """
 
-from experiments.configs import common
+from dgrad.train import config as fields
 
 
 def get_config(variant: str = ""):
-    return common.paper("cifar100", "wide_resnet", 28, num_stages=2, widen=10, variant=variant)
+    return fields.paper("cifar100", "wide_resnet", 28, num_stages=2, widen=10, variant=variant)

@@ -4,7 +4,9 @@ Plain FDG (beta = 1), as in the paper's main table; its best beta here was 0.5
 (--config.beta=0.5).
 
 The authors' recipe: SGD 0.1, momentum 0.9, weight decay 5e-4, batch 128, 300 epochs,
-lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
+lr / 10 at epochs 150 and 225 (FDG also 275). Needs CIFAR prepared (see the README);
+`:smoke` is a CPU-sized run of the same data (add --config.dataset=synthetic to try it
+without CIFAR).
 
     python -m experiments.train --workdir runs/cifar10_resnet56 \
         --config experiments/configs/cifar10_resnet56.py
@@ -12,8 +14,8 @@ lr / 10 at epochs 150 and 225 (FDG also 275). `:smoke` gives a CPU-sized run.
         --config experiments/configs/cifar10_resnet56.py --config.method=ddg
 """
 
-from experiments.configs import common
+from dgrad.train import config as fields
 
 
 def get_config(variant: str = ""):
-    return common.paper("cifar10", "cifar_resnet", 56, num_stages=2, variant=variant)
+    return fields.paper("cifar10", "cifar_resnet", 56, num_stages=2, variant=variant)

@@ -4,11 +4,11 @@ python -m experiments.train                                # this config
 python -m experiments.train --config experiments/configs/default.py:smoke
 """
 
-from experiments.configs import common
+from dgrad.train import config as fields
 
 
 def get_config(variant: str = ""):
-    config = common.base()
+    config = fields.base()
     config.dataset = "digits"
     config.model.depth = 8
     config.model.width = 8
@@ -24,6 +24,5 @@ def get_config(variant: str = ""):
     config.log_every_steps = 10
     if variant == "smoke":
         config.num_epochs = 3
-    elif variant:
-        raise ValueError(f"Unknown config variant {variant!r}; use 'smoke' or nothing.")
-    return config
+        return config
+    return fields.with_variant(config, variant)

@@ -1,0 +1,158 @@
+"""Several processes under `jax.distributed`: starting them, and joining them.
+
+`initialize` joins this process to a multi-process run: explicitly
+(coordinator address, number of processes, this process's index) or, with
+`auto=True`, from what `jax.distributed.initialize()` reads of SLURM, Open MPI
+or Kubernetes. On CPUs it asks for `cpu_devices` fake devices and gloo
+collectives. `launch_local` starts N such processes on this machine (a free
+localhost port as coordinator), passes their output through with the process
+index in front, forwards SIGINT/SIGTERM to them, and when one fails stops the
+others and says which failed, so nothing hangs.
+
+>>> free_port() > 0
+True
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Sequence
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    cpu_devices: int | None = None,
+    auto: bool = False,
+) -> None:
+    """Configures JAX for this process (before it computes anything) and joins the run.
+
+    Args:
+      coordinator: `host:port` of process 0's coordination service.
+      num_processes, process_id: the run's size and this process's index.
+      cpu_devices: fake CPU devices of this process (used only by the CPU backend).
+      auto: let `jax.distributed.initialize()` read the cluster's environment.
+    """
+    import jax
+
+    if cpu_devices:
+        jax.config.update("jax_num_cpu_devices", int(cpu_devices))
+    if coordinator is None and not auto:
+        return
+    if coordinator is not None and (num_processes is None or process_id is None):
+        raise ValueError(
+            "--coordinator needs --num_processes and --process_id too (or use --distributed "
+            "on a cluster that JAX recognises)."
+        )
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+
+
+def _relay(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(prefix + line)
+        out.flush()
+
+
+def launch_local(
+    command: Sequence[str],
+    processes: int,
+    *,
+    cpu_devices: int | None = None,
+    timeout: float | None = None,
+    out=None,
+) -> int:
+    """Runs `command` (argv of a program taking `--coordinator`, `--num_processes`,
+    `--process_id` and `--cpu_devices`) as `processes` local processes.
+
+    Returns 0 if all succeeded; else the first failure's exit status (124 on
+    `timeout` seconds), after stopping the rest.
+    """
+    out = out or sys.stdout
+    coordinator = f"127.0.0.1:{free_port()}"
+    children, relays = [], []
+    for index in range(processes):
+        argv = [
+            *command,
+            f"--coordinator={coordinator}",
+            f"--num_processes={processes}",
+            f"--process_id={index}",
+        ]
+        if cpu_devices:
+            argv.append(f"--cpu_devices={cpu_devices}")
+        child = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        children.append(child)
+        relay = threading.Thread(target=_relay, args=(child.stdout, f"[{index}] ", out))
+        relay.start()
+        relays.append(relay)
+
+    def forward(number, frame):
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(number)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {n: signal.signal(n, forward) for n in (signal.SIGINT, signal.SIGTERM)}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    status = 0
+    try:
+        while any(child.poll() is None for child in children):
+            failed = [c for c in children if c.poll() not in (None, 0)]
+            if failed:
+                status = failed[0].returncode
+                out.write(
+                    f"process {children.index(failed[0])} exited with status {status}; "
+                    "stopping the others\n"
+                )
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                status = 124
+                out.write(f"the processes ran past {timeout:.0f} s; stopping them\n")
+                break
+            time.sleep(0.1)
+        else:
+            codes = [child.returncode for child in children]
+            status = next((code for code in codes if code), 0)
+    finally:
+        _stop(children)
+        for relay in relays:
+            relay.join(timeout=10)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    return status
+
+
+def _stop(children, grace: float = 10.0) -> None:
+    """Terminates the children still running, then kills what is left after `grace` s."""
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    deadline = time.monotonic() + grace
+    for child in children:
+        try:
+            child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

@@ -1,0 +1,146 @@
+"""From a config to what trains: the runs, the data, the model's stages, the optimizer
+(with the papers' recipe) and the pipeline.
+
+>>> from dgrad.train import config as fields
+>>> config = fields.base()
+>>> resolved_optimizer(config, "ddg")["nesterov"], resolved_optimizer(config, "fdg")["boundaries"]
+(True, (150, 225, 275))
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import ml_collections
+import optax
+
+from dgrad import data, models
+from dgrad.pipeline import Pipeline
+from dgrad.train.config import Run
+
+
+def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
+    """The config's dataset (raises `data.DatasetNotFoundError` saying how to prepare it)."""
+    return data.load(
+        config.dataset,
+        data_dir=config.data_dir or None,
+        seed=config.seed,
+        image_size=config.image_size,
+    )
+
+
+def steps_per_epoch(config: ml_collections.ConfigDict, dataset: data.Dataset) -> int:
+    full = len(dataset.train) // config.batch_size
+    if full == 0:
+        raise ValueError(
+            f"config.batch_size = {config.batch_size} exceeds the {len(dataset.train)} training "
+            "examples; use a smaller batch."
+        )
+    return min(full, config.steps_per_epoch) if config.steps_per_epoch > 0 else full
+
+
+def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: data.Dataset):
+    """The model of `config.model`, cut into `num_stages` stages by `config.split`."""
+    spec, classes, channels = config.model, dataset.num_classes, dataset.input_shape[-1]
+    if spec.name == "cifar_resnet":
+        return models.cifar_resnet(
+            spec.depth,
+            classes,
+            num_stages,
+            width=spec.width,
+            in_channels=channels,
+            split=config.split,
+            rngs=config.seed,
+        )
+    if spec.name == "wide_resnet":
+        return models.wide_resnet(
+            spec.depth,
+            spec.widen,
+            classes,
+            num_stages,
+            in_channels=channels,
+            split=config.split,
+            rngs=config.seed,
+        )
+    features = [math.prod(dataset.input_shape), *spec.hidden, classes]
+    return models.mlp(features, num_stages, split=config.split, rngs=config.seed)
+
+
+def authors_boundaries(method: str) -> tuple[int, ...]:
+    """Epochs where the papers divide the learning rate by 10 (FDG adds a third decay)."""
+    return (150, 225, 275) if method == "fdg" else (150, 225)
+
+
+def resolved_optimizer(config: ml_collections.ConfigDict, method: str) -> dict[str, Any]:
+    """`config.optimizer` with its unset fields filled by the authors' choice for `method`:
+    decay epochs (`authors_boundaries`) and Nesterov momentum (DDG's code used it)."""
+    spec = config.optimizer.to_dict()
+    if spec["boundaries"] is None:
+        spec["boundaries"] = authors_boundaries(method)
+    if spec["nesterov"] is None:
+        spec["nesterov"] = method == "ddg"
+    return spec
+
+
+def learning_rate(
+    config: ml_collections.ConfigDict, method: str, steps_per_epoch: int
+) -> optax.Schedule:
+    """The learning rate after a stage's n-th update."""
+    spec = resolved_optimizer(config, method)
+    rate, total = spec["learning_rate"], config.num_epochs * steps_per_epoch
+    if spec["schedule"] == "piecewise":
+        return optax.piecewise_constant_schedule(
+            rate, {int(e * steps_per_epoch): spec["decay"] for e in spec["boundaries"]}
+        )
+    if spec["schedule"] == "cosine":
+        return optax.cosine_decay_schedule(rate, total)
+    return optax.constant_schedule(rate)
+
+
+def build_optimizer(
+    config: ml_collections.ConfigDict, method: str, steps_per_epoch: int
+) -> optax.GradientTransformation:
+    """SGD with momentum and coupled weight decay on the config's schedule.
+
+    Schedules count each stage's own updates (so a stage that starts updating
+    later in an FDG pipeline reaches each boundary a few steps later).
+    """
+    spec = resolved_optimizer(config, method)
+    return optax.chain(
+        optax.add_decayed_weights(spec["weight_decay"]),
+        optax.sgd(
+            learning_rate(config, method, steps_per_epoch),
+            spec["momentum"] or None,
+            nesterov=spec["nesterov"],
+        ),
+    )
+
+
+def build_pipeline(
+    config: ml_collections.ConfigDict,
+    run: Run,
+    dataset: data.Dataset,
+    steps_per_epoch: int,
+    devices,
+) -> Pipeline:
+    """The run's pipeline on `devices` (the fused baseline uses the first D of them)."""
+    pipe = Pipeline(
+        build_stages(config, run.num_stages, dataset),
+        method=run.method,
+        optimizer=build_optimizer(config, run.method, steps_per_epoch),
+        beta=config.beta if run.method == "fdg" else 1.0,
+        weights=config.weights,
+        memory=config.memory,
+        fused=run.fused,
+        data_parallel=config.data_parallel,
+        devices=devices,
+        placement="spread" if run.fused else config.placement,
+    )
+    replicas = pipe.placement.data_parallel
+    if config.batch_size % replicas:
+        raise ValueError(
+            f"config.batch_size = {config.batch_size} does not split between the {replicas} "
+            f"data-parallel replicas; use a multiple of {replicas}."
+        )
+    return pipe

@@ -1,0 +1,241 @@
+"""The training command line: `python -m experiments.train`.
+
+    python -m experiments.train                                  # the default config
+    python -m experiments.train --config experiments/configs/cifar10_resnet56.py \\
+        --config.method=ddg --config.num_stages=4 --workdir runs/r56_ddg_k4
+    python -m experiments.train --config experiments/configs/cifar10_resnet56.py:smoke
+    python -m experiments.train --workdir runs/x --config.num_epochs=20 --extend
+
+`--config FILE[:variant]` loads `get_config(variant)` from FILE;
+`--config.<field>=<value>` overrides a field (`--help` lists them all). A
+mistake gets one line naming the field, file or directory and what to do, and
+exit status 2; SIGINT or SIGTERM stops the run with a checkpoint of the last
+step and exit status 128 + signal. Under several processes (`--coordinator`,
+`--num_processes`, `--process_id`, or `--distributed` on a cluster JAX knows)
+every process runs this same command.
+
+Overrides are parsed here rather than by `ml_collections.config_flags`, which
+reads `sys.argv` while its flags are being defined and answers a misspelled
+field with a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+from dgrad.train import config as fields
+from dgrad.train.signals import Stopped, StopRequests
+
+
+class UsageError(Exception):
+    """A mistake on the command line; the message says what to do."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message} (--help lists the flags)")
+
+
+def _parser(default_config: str | None = None) -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m experiments.train",
+        description="Train a stage-split model with BP, DDG or FDG from an experiment config.",
+        add_help=False,
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help and exit")
+    parser.add_argument(
+        "--config",
+        default=default_config,
+        metavar="FILE[:VARIANT]",
+        help="experiment config file (default: experiments/configs/default.py); :smoke picks "
+        "its CPU-sized variant",
+    )
+    parser.add_argument(
+        "--workdir",
+        help="where metrics, checkpoints, plots and the model go; a workdir of the same "
+        "experiment is resumed (default: runs/<config>-<date>-<time>)",
+    )
+    parser.add_argument(
+        "--extend",
+        action="store_true",
+        help="train a finished experiment for more epochs (with --config.num_epochs)",
+    )
+    group = parser.add_argument_group("several processes")
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    group.add_argument("--num_processes", type=int, help="how many processes take part")
+    group.add_argument("--process_id", type=int, help="this process's index")
+    group.add_argument(
+        "--distributed",
+        action="store_true",
+        help="join a multi-process run described by the cluster (SLURM, Open MPI, Kubernetes)",
+    )
+    parser.add_argument(
+        "--cpu_devices",
+        type=int,
+        help="fake CPU devices of this process when there is no accelerator (default: one "
+        "per stage and replica)",
+    )
+    return parser
+
+
+def help_text() -> str:
+    return (
+        _parser().format_help()
+        + "\nconfig fields (override with --config.<field>=<value>):\n"
+        + fields.describe()
+        + "\n"
+    )
+
+
+def load_config(spec: str):
+    """`dgrad.train.config.load`, with its mistakes as `UsageError`s."""
+    try:
+        return fields.load(spec)
+    except (FileNotFoundError, ValueError) as error:
+        raise UsageError(f"--config {error}") from None
+
+
+def _parse_value(name: str, text: str, default: Any, kind: type | None) -> Any:
+    expected = kind if default is None else type(default)
+    try:
+        if default is None and text.lower() in ("none", ""):
+            return None
+        if expected is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return lowered in ("true", "1", "yes")
+        if expected is tuple:
+            items = [t.strip() for t in text.strip("()[]").split(",") if t.strip()]
+            return tuple(int(t) if t.lstrip("-").isdigit() else float(t) for t in items)
+        return expected(text)
+    except ValueError:
+        raise UsageError(
+            f"--config.{name}={text}: expected {expected.__name__}"
+            + (" values separated by commas" if expected is tuple else "")
+        ) from None
+
+
+def apply_overrides(config, overrides: Sequence[str]) -> None:
+    """Sets `--config.<field>=<value>` overrides on `config`."""
+    by_name = {f.name: f for f in fields.FIELDS}
+    for override in overrides:
+        name, equals, text = override[len("--config.") :].partition("=")
+        if not equals:
+            raise UsageError(f"{override}: give a value, as in --config.{name}=VALUE")
+        if name not in by_name:
+            near = fields.nearest_field(name)
+            raise UsageError(
+                f"--config.{name} is not a config field"
+                + (f"; did you mean --config.{near}?" if near else "; --help lists them")
+            )
+        field = by_name[name]
+        *parents, leaf = name.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = _parse_value(name, text, field.default, field.kind)
+
+
+def parse(argv: Sequence[str], default_config: str | None = None):
+    """The parsed flags, and the config with its overrides applied."""
+    args, rest = _parser(default_config).parse_known_args(argv)
+    overrides = [a for a in rest if a.startswith("--config.")]
+    unknown = [a for a in rest if not a.startswith("--config.")]
+    if unknown:
+        raise UsageError(f"unknown argument {unknown[0]} (--help lists the flags)")
+    if args.help:
+        return args, None, None
+    if args.config is None:
+        raise UsageError("give an experiment config: --config FILE")
+    config, name = load_config(args.config)
+    apply_overrides(config, overrides)
+    return args, config, name
+
+
+def _default_cpu_devices(config, args) -> int:
+    replicas = max(config.data_parallel, 1)
+    needed = max(config.num_stages * replicas, replicas if config.baseline else 1)
+    return -(-needed // (args.num_processes or 1))
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    default_config: str | None = None,
+    stop: StopRequests | None = None,
+) -> int:
+    """Runs the command; returns its exit status. `stop`: the `StopRequests` already
+    catching signals (the script enters one before its imports), else one of its own."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with contextlib.ExitStack() as context:
+        stop = stop or context.enter_context(StopRequests())
+        try:
+            args, config, name = parse(argv, default_config)
+            if args.help:
+                sys.stdout.write(help_text())
+                return 0
+            fields.check(config)
+        except (UsageError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return 2
+        try:
+            return _run(args, config, name, stop)
+        except Stopped as stopped:
+            print(f"\n{stopped}", file=sys.stderr, flush=True)
+            return 128 + stopped.signal_number
+
+
+def _run(args, config, name: str, stop: StopRequests) -> int:
+    from dgrad import distributed
+
+    try:
+        distributed.initialize(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            cpu_devices=args.cpu_devices or _default_cpu_devices(config, args),
+            auto=args.distributed,
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
+    import jax
+
+    from dgrad import data
+    from dgrad.train import SetupError, train
+
+    stop.check("starting JAX")
+    lead = jax.process_index() == 0
+    workdir = args.workdir or os.path.join("runs", f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if lead:
+        devices = jax.devices()
+        if devices[0].platform == "cpu":
+            print(
+                f"No accelerator: {len(devices)} fake CPU device(s) "
+                f"({jax.process_count()} process(es)).",
+                flush=True,
+            )
+        print(f"Workdir: {os.path.abspath(workdir)}", flush=True)
+    try:
+        results = train(config, workdir, extend=args.extend, stop=stop, name=name)
+    except (SetupError, data.DatasetNotFoundError) as error:
+        hint = ""
+        if isinstance(error, data.DatasetNotFoundError):
+            hint = "; or try the run on synthetic data: --config.dataset=synthetic"
+        print(f"error: {str(error).rstrip('.')}{hint}", file=sys.stderr, flush=True)
+        return 2
+    except FloatingPointError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
+    if lead:
+        print("\nTest accuracy:")
+        for title, record in results.items():
+            print(f"  {title:24s} {record['test_accuracy']:.4f}")
+        print(f"\nCurves: {os.path.join(os.path.abspath(workdir), 'curves.png')}", flush=True)
+    return 0

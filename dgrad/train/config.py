@@ -1,0 +1,361 @@
+"""The fields of an experiment config: defaults, meanings and checks, in one place.
+
+`FIELDS` lists every field once, with its default and what it means (the
+pipeline's own options take their meaning from `dgrad.options.Options`).
+`base()` builds the `ml_collections.ConfigDict` that the files in
+`experiments/configs/` start from, `check` refuses values that cannot work
+with one line naming the field and the fix, and `describe` is what
+`python -m experiments.train --help` prints.
+
+>>> config = base()
+>>> config.method, config.model.depth
+('fdg', 56)
+>>> config.baseline = "bp"
+>>> [run.title for run in runs_of(config)]
+['FDG K=2', 'BP (fused)']
+>>> config.num_stages = 0
+>>> check(config)
+Traceback (most recent call last):
+...
+ValueError: config.num_stages = 0 is not valid: use a positive integer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import numbers
+from typing import Any
+
+import ml_collections
+from ml_collections import config_dict
+
+from dgrad.data import DATASETS
+from dgrad.options import PLACEMENTS, Options
+
+MODELS = ("cifar_resnet", "wide_resnet", "mlp")
+SCHEDULES = ("piecewise", "cosine", "constant")
+SPLITS = ("authors", "balanced", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One config field: `name` (dotted when nested), default, meaning, and whether a
+    resumed run may change it (it changes how the run is watched or fed, not its numbers)."""
+
+    name: str
+    default: Any
+    help: str
+    kind: type | None = None  # the type of a field whose default is None
+    resumable: bool = False
+
+
+_OPTION_HELP = Options.help()
+
+
+def _option(name: str, **kwargs) -> Field:
+    return Field(name, getattr(Options(), name), _OPTION_HELP[name], **kwargs)
+
+
+FIELDS = (
+    Field("dataset", "cifar10", f"one of {', '.join(DATASETS)}"),
+    Field(
+        "data_dir",
+        "",
+        "where tfds datasets are prepared ('' = $TFDS_DATA_DIR or ~/tensorflow_datasets)",
+        resumable=True,
+    ),
+    Field("image_size", 224, "side of the ImageNet crops"),
+    Field("model.name", "cifar_resnet", f"one of {', '.join(MODELS)}"),
+    Field("model.depth", 56, "depth: 6n+2 for cifar_resnet (20, 56, 110, 1202), 6n+4 for WRN"),
+    Field("model.width", 16, "cifar_resnet: channels of the first group"),
+    Field("model.widen", 10, "wide_resnet: widening factor (WRN-28-10: depth 28, widen 10)"),
+    Field("model.hidden", (128, 128), "mlp: the hidden layer sizes"),
+    Field(
+        "split",
+        "authors",
+        "where the model is cut into stages: authors (the papers' cuts), balanced (equal "
+        "multiply-adds) or auto (authors' where they give one, else balanced)",
+    ),
+    _option("method"),
+    Field("num_stages", 2, "K, the number of pipeline stages"),
+    _option("beta"),
+    _option("weights"),
+    _option("memory"),
+    _option("data_parallel", resumable=True),
+    Field(
+        "placement",
+        "spread",
+        f"how stages and their replicas map onto devices: {', '.join(PLACEMENTS)} "
+        "(see dgrad.placement)",
+        resumable=True,
+    ),
+    Field(
+        "baseline",
+        "",
+        "bp: also train fused backprop (data parallel over the same D devices) beside the "
+        "run; empty: do not",
+    ),
+    Field("batch_size", 128, "the global batch, split between the data_parallel replicas"),
+    Field("num_epochs", 300, "epochs to train (change it on a finished run with --extend)"),
+    Field("steps_per_epoch", -1, "batches per epoch (-1: every full batch of the train split)"),
+    Field("eval_examples", -1, "test examples evaluated each epoch (-1: the whole test split)"),
+    Field("eval_batch_size", 500, "evaluation batch", resumable=True),
+    Field("seed", 0, "fixes the weights, the data order and the augmentation"),
+    Field("optimizer.learning_rate", 0.1, "SGD learning rate"),
+    Field("optimizer.momentum", 0.9, "SGD momentum (0: none)"),
+    Field(
+        "optimizer.nesterov",
+        None,
+        "Nesterov momentum; unset: the authors' choice (DDG's code used it, FDG's did not)",
+        kind=bool,
+    ),
+    Field("optimizer.weight_decay", 5e-4, "coupled weight decay, added to the gradient"),
+    Field(
+        "optimizer.schedule",
+        "piecewise",
+        f"learning-rate schedule: {', '.join(SCHEDULES)} (counted in each stage's own updates)",
+    ),
+    Field(
+        "optimizer.boundaries",
+        None,
+        "piecewise: epochs where the rate is multiplied by optimizer.decay; unset: the "
+        "authors' 150, 225 (and 275 for FDG)",
+        kind=tuple,
+    ),
+    Field("optimizer.decay", 0.1, "piecewise: factor at each boundary"),
+    Field("log_every_steps", 50, "steps between train-metric records", resumable=True),
+    Field(
+        "checkpoint_every_steps",
+        0,
+        "steps between checkpoints (0: only at epoch ends)",
+        resumable=True,
+    ),
+    Field("keep_checkpoints", 2, "newest checkpoints kept", resumable=True),
+    Field("prefetch", 4, "batches prepared ahead", resumable=True),
+    Field("data_workers", 4, "threads preparing batches", resumable=True),
+)
+
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+RESUMABLE_FIELDS = tuple(f.name for f in FIELDS if f.resumable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One training run of an experiment."""
+
+    label: str  # directory name under the workdir
+    title: str  # for people
+    method: str
+    num_stages: int
+    fused: bool
+
+
+def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
+    """The config's method, then its baseline (fused BP on one device group) if it asks for one."""
+    k = config.num_stages
+    runs = [Run(f"{config.method}_k{k}", f"{config.method.upper()} K={k}", config.method, k, False)]
+    if config.baseline == "bp":
+        runs.append(Run("bp_fused", "BP (fused)", "bp", 1, True))
+    return runs
+
+
+def base() -> ml_collections.ConfigDict:
+    """A config holding every field at its default; new fields cannot be added (typos fail)."""
+    config = ml_collections.ConfigDict()
+    for field in FIELDS:
+        *parents, leaf = field.name.split(".")
+        node = config
+        for parent in parents:
+            if parent not in node:
+                node[parent] = ml_collections.ConfigDict()
+            node = node[parent]
+        default = field.default
+        node[leaf] = config_dict.placeholder(field.kind) if default is None else default
+    config.lock()
+    return config
+
+
+def describe() -> str:
+    """Every field with its default and meaning, for `--help`."""
+    width = max(len(name) for name in FIELD_NAMES)
+    lines = []
+    for field in FIELDS:
+        default = "unset" if field.default is None else repr(field.default)
+        lines.append(f"  --config.{field.name:<{width}}  {field.help} [{default}]")
+    return "\n".join(lines)
+
+
+def nearest_field(name: str) -> str | None:
+    """The field whose name is closest to `name`, if any is close."""
+    match = difflib.get_close_matches(name, FIELD_NAMES, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
+    """Fields by dotted name."""
+    out = {}
+    for key, value in config.items() if hasattr(config, "items") else config:
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            out.update({f"{key}.{k}": v for k, v in flatten(value).items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _fail(field: str, value, expected: str):
+    raise ValueError(f"config.{field} = {value!r} is not valid: {expected}.")
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+    """Raises ValueError naming the field and the fix for any value that cannot work."""
+    values = flatten(config)
+    for name in values:
+        if name not in FIELD_NAMES:
+            near = nearest_field(name)
+            raise ValueError(
+                f"config.{name} is not a config field"
+                + (f"; did you mean {near}?" if near else "; --help lists them.")
+            )
+    for field in FIELDS:
+        value = values[field.name]
+        expected = field.kind if field.default is None else type(field.default)
+        if value is None:
+            continue
+        if expected is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            continue
+        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+            _fail(field.name, value, f"expected a {expected.__name__}")
+    choices = {
+        "dataset": DATASETS,
+        "model.name": MODELS,
+        "split": SPLITS,
+        "placement": PLACEMENTS,
+        "optimizer.schedule": SCHEDULES,
+        "baseline": ("", "bp"),
+    }
+    for name, allowed in choices.items():
+        if values[name] not in allowed:
+            _fail(name, values[name], "choose one of: " + ", ".join(a or "''" for a in allowed))
+    positive = ("num_stages", "batch_size", "num_epochs", "eval_batch_size", "log_every_steps")
+    for name in (*positive, "keep_checkpoints", "prefetch", "data_workers", "image_size"):
+        if values[name] < 1:
+            _fail(name, values[name], "use a positive integer")
+    for name in ("steps_per_epoch", "eval_examples"):
+        if values[name] == 0 or values[name] < -1:
+            _fail(name, values[name], "use a positive integer, or -1 for the whole split")
+    if values["checkpoint_every_steps"] < 0:
+        _fail("checkpoint_every_steps", values["checkpoint_every_steps"], "use 0 or more")
+    if values["optimizer.learning_rate"] <= 0:
+        _fail("optimizer.learning_rate", values["optimizer.learning_rate"], "use a positive rate")
+    if not 0 <= values["optimizer.momentum"] < 1:
+        _fail("optimizer.momentum", values["optimizer.momentum"], "use a value in [0, 1)")
+    if values["optimizer.weight_decay"] < 0:
+        _fail("optimizer.weight_decay", values["optimizer.weight_decay"], "use 0 or more")
+    try:
+        Options(
+            method=config.method,
+            beta=config.beta,
+            weights=config.weights,
+            memory=config.memory,
+            data_parallel=config.data_parallel,
+        )
+    except ValueError as error:
+        raise ValueError(f"config: {error}") from None
+
+
+def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as plain JSON values (tuples become lists)."""
+    import json
+
+    return json.loads(config.to_json())
+
+
+def differences(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
+    """The fields (dotted names) where `config` changes the numbers of a run saved with `saved`."""
+    old, new = flatten(saved), flatten(to_json(config))
+    return sorted(
+        name
+        for name in old.keys() | new.keys()
+        if old.get(name) != new.get(name) and name not in RESUMABLE_FIELDS
+    )
+
+
+def paper(
+    dataset: str,
+    model: str,
+    depth: int,
+    *,
+    num_stages: int = 2,
+    beta: float = 1.0,
+    widen: int = 10,
+    variant: str = "",
+) -> ml_collections.ConfigDict:
+    """A setting of the FDG/DDG papers on CIFAR: FDG with the authors' split and recipe
+    (SGD 0.1, momentum 0.9, weight decay 5e-4, batch 128, 300 epochs; the decay epochs
+    and Nesterov follow the method, see `dgrad.train.build.resolved_optimizer`).
+
+    `variant="smoke"` keeps the method, K and data but shrinks the model and the run
+    to a CPU-sized one, see `smoke`.
+    """
+    config = base()
+    config.dataset = dataset
+    config.model.name = model
+    config.model.depth = depth
+    config.model.widen = widen
+    config.num_stages = num_stages
+    config.beta = beta
+    return with_variant(config, variant)
+
+
+def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
+    """`get_config(variant)` of the config file in `spec` (`FILE` or `FILE:variant`), and
+    the file's name (what the command line's `--config` takes; for notebooks).
+
+    >>> config, name = load("experiments/configs/default.py:smoke")
+    >>> name, config.dataset, config.num_epochs
+    ('default', 'digits', 3)
+    """
+    import importlib.util
+    import os
+
+    path, _, variant = spec.partition(":")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file (the configs are in experiments/configs/)")
+    name = os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(f"dgrad_config_{name}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"{path} defines no get_config(variant)")
+    try:
+        return (module.get_config(variant) if variant else module.get_config()), name
+    except ValueError as error:
+        raise ValueError(f"{spec}: {error}") from None
+
+
+def with_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
+    """`config` itself, or its `smoke` variant; any other variant is refused."""
+    if variant == "smoke":
+        return smoke(config)
+    if variant:
+        raise ValueError(f"unknown config variant {variant!r}; the only variant is smoke")
+    return config
+
+
+def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Shrinks `config` in place to a CPU-sized run of the same method and data: ResNet-20
+    or WRN-16-2 with a balanced split (the authors' splits exist only at full depth), 2
+    epochs of 8 batches of 32, 256 test images."""
+    if config.model.name == "cifar_resnet":
+        config.model.depth = 20
+    elif config.model.name == "wide_resnet":
+        config.model.depth, config.model.widen = 16, 2
+    config.split = "balanced"
+    config.batch_size = 32
+    config.num_epochs = 2
+    config.steps_per_epoch = 8
+    config.eval_examples = 256
+    config.eval_batch_size = 128
+    config.log_every_steps = 4
+    return config

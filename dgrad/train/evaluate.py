@@ -1,0 +1,54 @@
+"""Test loss and accuracy over a whole split, through the pipeline's own loss.
+
+>>> import jax.numpy as jnp, optax, dgrad
+>>> from dgrad import data, models
+>>> ds = data.load("digits")
+>>> pipe = dgrad.Pipeline(models.mlp([64, 32, 10], num_stages=2), method="fdg",
+...                       optimizer=optax.sgd(0.1))
+>>> state = pipe.init(data.Stream(ds.train, 32, transform=ds.train_transform, seed=0).batch(0))
+>>> record = evaluate(pipe, state, ds.test, ds.eval_transform, batch_size=100)
+>>> sorted(record), 0 <= record["test_accuracy"] <= 1
+(['test_accuracy', 'test_loss'], True)
+"""
+
+from __future__ import annotations
+
+import jax
+
+from dgrad import data
+from dgrad.pipeline import Pipeline, PipelineState
+from dgrad.placement import share
+
+
+class Limited:
+    """The first `n` examples of a source (for smoke-sized evaluation)."""
+
+    def __init__(self, source: data.Source, n: int):
+        self.source, self.n = source, min(n, len(source))
+
+    def __len__(self):
+        return self.n
+
+    def get(self, indices):
+        return self.source.get(indices)
+
+
+def evaluate(
+    pipe: Pipeline,
+    state: PipelineState,
+    source: data.Source,
+    transform: data.augment.Transform,
+    batch_size: int,
+) -> dict[str, float]:
+    """`test_<metric>` means of `loss_fn`'s loss and metrics over all of `source`, in
+    evaluation mode with the current weights (padded last batch masked out). Batches
+    are rounded up to a multiple of the replicas; the padding is masked out too."""
+    replicas = pipe.placement.data_parallel
+    batch_size = -(-batch_size // replicas) * replicas
+    totals = None
+    for inputs, labels, mask in data.eval_batches(source, batch_size, transform):
+        sums = pipe.evaluation_sums(state, (inputs, labels), mask)
+        totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+    totals = jax.device_get(share(totals))
+    count = float(totals.pop("count"))
+    return {f"test_{name}": float(value) / count for name, value in totals.items()}

@@ -1,0 +1,239 @@
+"""The training loop of one run: steps, metrics one step behind, evaluation,
+checkpoints, resuming, stopping on request, export.
+
+The host never waits for a step it has just dispatched: each step's metrics
+are read after the next step is dispatched. Every process runs the same
+loop; process 0 alone writes metrics and the exported model, every process
+writes its own shards of each checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import ml_collections
+
+from dgrad import data
+from dgrad.pipeline import Pipeline, PipelineState
+from dgrad.placement import share
+from dgrad.train import config as fields
+from dgrad.train import export, metrics
+from dgrad.train.checkpoint import Checkpointer
+from dgrad.train.config import Run
+from dgrad.train.evaluate import Limited, evaluate
+from dgrad.train.progress import Progress
+from dgrad.train.signals import Stopped, StopRequests
+
+
+class Tally:
+    """Sums of the train metrics the last stage reported, over the epoch and over the
+    current log interval (JSON-able, so that a checkpoint can carry them)."""
+
+    def __init__(self, saved: dict[str, dict[str, float]] | None = None):
+        saved = saved or {}
+        self.epoch = dict(saved.get("epoch", {}))
+        self.interval = dict(saved.get("interval", {}))
+
+    def add(self, reported: dict[str, Any]) -> dict[str, float]:
+        """Adds one step's metrics (reading them to the host); returns them as floats."""
+        if not reported:  # FDG while filling: no batch reached the loss yet
+            return {}
+        values = {name: float(v) for name, v in reported.items() if name != "batch"}
+        for sums in (self.epoch, self.interval):
+            for name, value in values.items():
+                sums[name] = sums.get(name, 0.0) + value
+            sums["count"] = sums.get("count", 0) + 1
+        return values
+
+    @staticmethod
+    def _means(sums, prefix=""):
+        count = sums.get("count", 0)
+        return {f"{prefix}{k}": v / count for k, v in sums.items() if k != "count" and count}
+
+    def take_interval(self) -> dict[str, float]:
+        means, self.interval = self._means(self.interval), {}
+        return means
+
+    def take_epoch(self) -> dict[str, float]:
+        means, self.epoch = self._means(self.epoch, "train_"), {}
+        return means
+
+    def saved(self) -> dict[str, dict[str, float]]:
+        return {"epoch": dict(self.epoch), "interval": dict(self.interval)}
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What a run needs beside its config: where it writes and how it reports."""
+
+    run: Run
+    pipe: Pipeline
+    initial: PipelineState
+    dataset: data.Dataset
+    steps_per_epoch: int
+    run_dir: str
+    log: Callable[[str], None]
+    progress_stream: Any
+    stop: StopRequests
+    extends_from: int | None = None
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the run's metrics and model (process 0 does)."""
+        return jax.process_index() == 0
+
+
+def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
+    """The state and tally to continue from: the newest checkpoint's, or a fresh start."""
+    if checkpoints.latest_step() is None:
+        return ctx.initial, Tally()
+    extra = checkpoints.extra()
+    changed = fields.differences(extra["config"], config)
+    if ctx.extends_from is not None and "num_epochs" in changed:
+        changed.remove("num_epochs")
+    if changed:
+        raise ValueError(
+            f"The checkpoint in {ctx.run_dir} was written with another configuration (it "
+            f"differs in: {', '.join(changed)}); resume with the configuration it was "
+            "written with, or use a new --workdir."
+        )
+    state, extra = checkpoints.restore(ctx.pipe)
+    if ctx.writes:
+        metrics.truncate(os.path.join(ctx.run_dir, "metrics.jsonl"), after_step=state.step)
+    if state.step >= total:
+        ctx.log(f"  finished earlier, at step {state.step}: nothing left to train")
+    else:
+        epoch, position = divmod(state.step, ctx.steps_per_epoch)
+        ctx.log(
+            f"  resumed from the checkpoint at step {state.step} (epoch {epoch + 1}, "
+            f"{position} of {ctx.steps_per_epoch} batches done)"
+        )
+    return state, Tally(extra["tally"])
+
+
+def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, Any]:
+    """Trains one run to `config.num_epochs`, resuming its newest checkpoint; returns its
+    last epoch record."""
+    pipe, steps_per_epoch = ctx.pipe, ctx.steps_per_epoch
+    total = config.num_epochs * steps_per_epoch
+    stream = data.Stream(
+        ctx.dataset.train,
+        config.batch_size,
+        transform=ctx.dataset.train_transform,
+        seed=config.seed,
+        steps_per_epoch=steps_per_epoch,
+        prefetch=config.prefetch,
+        workers=config.data_workers,
+        sharding=pipe.placement.sharded(0),
+    )
+    test = ctx.dataset.test
+    if config.eval_examples > 0:
+        test = Limited(test, config.eval_examples)
+    metrics_path = os.path.join(ctx.run_dir, "metrics.jsonl")
+    checkpoints = Checkpointer(
+        os.path.join(ctx.run_dir, "checkpoints"), keep=config.keep_checkpoints
+    )
+    with checkpoints:
+        state, tally = _resume(ctx, config, checkpoints, total)
+
+        def save():
+            epoch, position = divmod(state.step, steps_per_epoch)
+            checkpoints.save(
+                state,
+                {
+                    "config": fields.to_json(config),
+                    "tally": tally.saved(),
+                    "data": {"next_step": state.step, "epoch": epoch, "batch_in_epoch": position},
+                    "total_steps": total,
+                },
+            )
+
+        label = f"{ctx.run.label} "
+        if jax.process_count() > 1:
+            label = f"[process {jax.process_index()}] {label}"
+        writer = (
+            metrics.MetricWriter(
+                metrics_path, tensorboard_dir=os.path.join(ctx.run_dir, "tensorboard")
+            )
+            if ctx.writes
+            else None
+        )
+        progress = Progress(
+            total,
+            state.step,
+            config.batch_size,
+            stream=ctx.progress_stream,
+            every=config.log_every_steps,
+            label=label,
+        )
+        last_loss, epoch_start = None, time.perf_counter()
+        reported = None  # the last step's metrics, read after the next step is dispatched
+        with progress:
+            for batch in stream.iterate(state.step, total):
+                state, step_metrics = pipe.step(state, batch)
+                if reported is not None:
+                    last_loss = tally.add(reported).get("loss", last_loss)
+                reported = share(step_metrics)
+                step = state.step
+                progress.update(step, last_loss)
+                epoch_end = step % steps_per_epoch == 0
+                log_due = step % config.log_every_steps == 0
+                save_due = epoch_end or (
+                    config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
+                )
+                stopping = ctx.stop.requested is not None
+                if not (epoch_end or log_due or save_due or stopping):
+                    continue
+                tally.add(reported)
+                reported = None
+                if (log_due or epoch_end) and writer is not None:
+                    interval = tally.take_interval()
+                    if interval:
+                        writer.write({"kind": "train", "step": step, **interval})
+                if epoch_end:
+                    pipe.check_finite(state)
+                    record = {
+                        "kind": "epoch",
+                        "step": step,
+                        "epoch": step // steps_per_epoch,
+                        **tally.take_epoch(),
+                        **evaluate(
+                            pipe, state, test, ctx.dataset.eval_transform, config.eval_batch_size
+                        ),
+                        "seconds": time.perf_counter() - epoch_start,
+                    }
+                    if writer is not None:
+                        writer.write(record)
+                    progress.close()
+                    ctx.log(
+                        f"  epoch {record['epoch']:4d}  train loss "
+                        f"{record.get('train_loss', math.nan):.4f}  test accuracy "
+                        f"{record['test_accuracy']:.4f}  ({record['seconds']:.1f} s)"
+                    )
+                    epoch_start = time.perf_counter()
+                if save_due or stopping:
+                    save()
+                if stopping:
+                    if writer is not None:
+                        writer.close()
+                    raise Stopped(
+                        ctx.stop.requested,
+                        f"Stopped at step {step} after saving a checkpoint of it.",
+                        checkpoint_step=step,
+                    )
+        if writer is not None:
+            writer.close()
+        pipe.check_finite(state)
+        model = export.merge(pipe, state)
+        export.save(model, os.path.join(ctx.run_dir, "model"))
+    epochs = metrics.read(metrics_path, "epoch")
+    if not epochs:
+        raise RuntimeError(
+            f"{ctx.run_dir} finished without an evaluation; its metrics file is empty."
+        )
+    return epochs[-1]

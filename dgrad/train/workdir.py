@@ -1,0 +1,162 @@
+"""Which commands may touch a workdir, decided before anything is written.
+
+A workdir holds one experiment: its `config.json` and one directory per run.
+A command may start a new experiment in a missing or empty directory, resume
+the experiment a workdir holds (fields that only change how a run is watched
+or fed may differ), or, with `extend`, train a finished experiment for more
+epochs. Anything else is refused with the fields that differ. A start that
+fails before its first checkpoint takes back what it wrote.
+
+>>> import tempfile
+>>> from dgrad.train import config as fields
+>>> config = fields.base()
+>>> plan = inspect(tempfile.mkdtemp(), config)
+>>> plan.resumes, plan.extends_from
+(False, None)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+import ml_collections
+
+from dgrad.train import config as fields
+from dgrad.train import metrics
+
+CONFIG_FILE = "config.json"
+
+
+class WorkdirError(ValueError):
+    """The workdir cannot be used for this command; the message says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What training a config in `path` means.
+
+    Attributes:
+      path: the workdir (absolute).
+      existed: whether the directory was there before this command.
+      saved: the config the workdir holds (its JSON), if any.
+      extends_from: with `extend`, the number of epochs the workdir was trained for.
+    """
+
+    path: str
+    existed: bool
+    saved: dict[str, Any] | None
+    extends_from: int | None = None
+
+    @property
+    def resumes(self) -> bool:
+        return self.saved is not None
+
+
+def inspect(
+    path: str | os.PathLike, config: ml_collections.ConfigDict, *, extend: bool = False
+) -> Plan:
+    """Decides what training `config` in `path` means; raises `WorkdirError` if it may not."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise WorkdirError(f"--workdir {path} is a file; give a directory.")
+    if not os.path.isdir(path) or not os.listdir(path):
+        if extend:
+            raise WorkdirError(f"--extend needs a trained experiment, but {path} holds none.")
+        return Plan(path, os.path.isdir(path), None)
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.exists(config_path):
+        raise WorkdirError(
+            f"{path} holds files but no {CONFIG_FILE}, so it is not a dgrad workdir; "
+            "choose a new --workdir."
+        )
+    with open(config_path) as f:
+        saved = json.load(f)
+    changed = fields.differences(saved, config)
+    old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
+    extends_from = None
+    if extend:
+        if "num_epochs" not in changed or new["num_epochs"] <= old["num_epochs"]:
+            raise WorkdirError(
+                f"--extend trains a finished experiment for more epochs: give "
+                f"--config.num_epochs above the {old['num_epochs']} it was trained for."
+            )
+        changed.remove("num_epochs")
+        extends_from = old["num_epochs"]
+    if changed:
+        differences = ", ".join(
+            f"{name} {old.get(name)!r} -> {new.get(name)!r}" for name in changed
+        )
+        hint = (
+            " (to train it longer, add --extend)"
+            if changed == ["num_epochs"] and new["num_epochs"] > old["num_epochs"]
+            else ""
+        )
+        raise WorkdirError(
+            f"{path} holds another experiment (this config differs in: {differences}){hint}; "
+            f"resume it with its own config ({config_path}), or use a new --workdir."
+        )
+    return Plan(path, True, saved, extends_from)
+
+
+def create(plan: Plan, config: ml_collections.ConfigDict) -> None:
+    """Makes the workdir and writes the config (atomically) that it now holds."""
+    os.makedirs(plan.path, exist_ok=True)
+    temporary = os.path.join(plan.path, CONFIG_FILE + ".tmp")
+    with open(temporary, "w") as f:
+        json.dump(fields.to_json(config), f, indent=2)
+    os.replace(temporary, os.path.join(plan.path, CONFIG_FILE))
+
+
+def take_back(plan: Plan, run_labels) -> None:
+    """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint)."""
+    if plan.resumes:
+        return
+    for label in run_labels:
+        checkpoints = os.path.join(plan.path, label, "checkpoints")
+        if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
+            return
+    if not plan.existed:
+        shutil.rmtree(plan.path, ignore_errors=True)
+        return
+    for name in [CONFIG_FILE, *run_labels]:
+        target = os.path.join(plan.path, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target, ignore_errors=True)
+        elif os.path.exists(target):
+            os.remove(target)
+
+
+def total_steps(meta: dict[str, Any]) -> int:
+    """How many steps the run of a checkpoint's metadata trains for."""
+    return meta["extra"]["total_steps"]
+
+
+def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
+    """Each run's last epoch record if every run has finished, else None.
+
+    Reads only the runs' checkpoint metadata and metrics files.
+    """
+    from dgrad.train.checkpoint import Checkpointer
+
+    if not plan.resumes:
+        return None
+    records = {}
+    for run in runs:
+        run_dir = os.path.join(plan.path, run.label)
+        if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+            return None
+        with Checkpointer(os.path.join(run_dir, "checkpoints")) as checkpoints:
+            if checkpoints.latest_step() is None:
+                return None
+            meta = checkpoints.meta()
+        if meta["step"] < total_steps(meta):
+            return None
+        epochs = metrics.read(os.path.join(run_dir, "metrics.jsonl"), "epoch")
+        if not epochs:
+            return None
+        records[run.title] = epochs[-1]
+    return records

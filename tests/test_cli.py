@@ -1,0 +1,150 @@
+"""`python -m experiments.train` as a user runs it: outputs, one-line errors, signals,
+and the workdir's rules, each command in a process of its own."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import ROOT, run_command
+
+from dgrad.train import metrics
+
+SMOKE = "--config=experiments/configs/default.py:smoke"
+
+
+def cli(*args, timeout=600, check=False):
+    return run_command(
+        [sys.executable, "-m", "experiments.train", *args], timeout=timeout, cwd=ROOT, check=check
+    )
+
+
+@pytest.mark.slow
+def test_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
+    workdir = tmp_path / "run"
+    status, output = cli(SMOKE, f"--workdir={workdir}")
+    assert status == 0, output[-3000:]
+    assert "No accelerator: 2 fake CPU device(s) (1 process(es))." in output
+    summary = output.split("Test accuracy:")[1].split("Curves:")[0]
+    accuracies = {
+        line.rsplit(maxsplit=1)[0].strip(): float(line.split()[-1])
+        for line in summary.splitlines()
+        if line.strip()
+    }
+    assert set(accuracies) == {"FDG K=2", "BP (fused)"}
+    assert all(a > 0.8 for a in accuracies.values()), accuracies  # chance is 0.1
+    assert (workdir / "curves.png").exists()
+    assert json.loads((workdir / "config.json").read_text())["method"] == "fdg"
+    for run in ("fdg_k2", "bp_fused"):
+        epochs = metrics.read(workdir / run / "metrics.jsonl", "epoch")
+        assert [r["epoch"] for r in epochs] == [1, 2, 3]
+        assert (workdir / run / "model").is_dir()
+        assert (workdir / run / "checkpoints" / str(3 * 22)).is_dir()
+    assert "step 66/66" in output  # progress lines, since the output is not a terminal
+    start = time.perf_counter()
+    status, output = cli(SMOKE, f"--workdir={workdir}")
+    seconds = time.perf_counter() - start
+    assert status == 0 and "finished earlier: nothing left to train" in output
+    assert seconds < 4, f"deciding that the run is finished took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--config.num_stage=3"],
+            "--config.num_stage is not a config field; did you mean --config.num_stages?",
+        ),
+        (["--config.num_stages=abc"], "--config.num_stages=abc: expected int"),
+        (["--config.model.hidden=1,x"], "--config.model.hidden=1,x: expected tuple values"),
+        (["--config=nope.py"], "--config nope.py: no such file"),
+        ([SMOKE + "k"], "unknown config variant 'smokek'; the only variant is smoke"),
+        (["--bogus=1"], "unknown argument --bogus=1"),
+        (["--config.method=sgd"], "Unknown method 'sgd'; choose one of: bp, ddg, fdg"),
+        (["--config.method=ddg", "--config.beta=0.5"], "only FDG has; use method=fdg or beta=1"),
+        (["--config.model.name=mlp", "--config.num_stages=9"], "cannot be cut into num_stages=9"),
+    ],
+)
+def test_a_mistake_gets_one_line_and_status_2(tmp_path, args, message):
+    status, output = cli(*args, f"--workdir={tmp_path / 'run'}", timeout=120)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(errors) == 1 and message in errors[0], output
+    assert "Traceback" not in output
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unprepared_dataset_says_how_to_prepare_it(tmp_path):
+    status, output = cli(
+        "--config=experiments/configs/cifar10_resnet56.py:smoke",
+        f"--config.data_dir={tmp_path}",
+        f"--workdir={tmp_path / 'run'}",
+        timeout=120,
+    )
+    assert status == 2 and "Traceback" not in output and "WARNING" not in output, output
+    (error,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert "tfds build cifar10 --file_format=array_record" in error
+    assert "--config.dataset=synthetic" in error
+
+
+def test_help_lists_every_field_and_exits_0():
+    status, output = cli("--help", timeout=60)
+    assert status == 0
+    assert "--config.num_stages" in output and "--config.optimizer.learning_rate" in output
+    assert "FDG gradient shrinking" in output  # the meaning comes from where the field is set
+
+
+def _train_until(workdir, predicate, args, timeout=300):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "experiments.train", *args, f"--workdir={workdir}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout
+    while not predicate() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return process
+
+
+@pytest.mark.parametrize("moment", ["starting", "compiling", "training"])
+def test_ctrl_c_at_any_moment_stops_cleanly(tmp_path, moment):
+    workdir = tmp_path / "run"
+    args = [SMOKE, "--config.model.name=mlp", "--config.baseline=", "--config.log_every_steps=5"]
+    seen = {
+        "starting": lambda: True,
+        "compiling": lambda: (workdir / "config.json").exists(),
+        "training": lambda: bool(metrics.read(workdir / "fdg_k2" / "metrics.jsonl", "train")),
+    }[moment]
+    process = _train_until(workdir, seen, args)
+    if moment == "starting":
+        time.sleep(0.3)
+    process.send_signal(signal.SIGINT)
+    try:
+        output, _ = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    assert process.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "Traceback" not in output and "Fatal" not in output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("Stopped"), output[-2000:]
+    if moment == "training":
+        stopped_at = int(last.split("Stopped at step ")[1].split()[0])
+        assert str(stopped_at) in [p.name for p in (workdir / "fdg_k2" / "checkpoints").iterdir()]
+        status, output = cli(*args, f"--workdir={workdir}")
+        assert status == 0 and f"resumed from the checkpoint at step {stopped_at} " in output
+        steps = [r["step"] for r in metrics.read(workdir / "fdg_k2" / "metrics.jsonl", "train")]
+        assert steps == sorted(set(steps))  # no step written twice
+    elif not (workdir / "fdg_k2" / "checkpoints").exists():
+        assert not workdir.exists()  # stopped before any checkpoint: nothing left behind
+
+
+def test_a_workdir_of_another_experiment_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"method": "ddg"}))
+    status, output = cli(SMOKE, f"--workdir={tmp_path}", timeout=120)
+    assert status == 2 and "holds another experiment" in output and "Traceback" not in output
+    assert json.loads((tmp_path / "config.json").read_text()) == {"method": "ddg"}

@@ -1,0 +1,205 @@
+"""Scale-out: stages on groups of devices, replicas inside stages, several processes.
+
+In one process (4 fake CPU devices) the numbers of K stages x D replicas are checked
+in test_equivalence and test_invariants; here: the placement's rules and errors, the
+data stream's per-process rows, and 2 processes x 2 fake devices under jax.distributed
+(gloo) in the two layouts: every process holding every stage, and stage k on process k.
+"""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import (
+    ROOT,
+    SMOOTH_OPTIMIZER,
+    assert_close,
+    batches,
+    build_pipeline,
+    run_command,
+)
+
+import dgrad
+from dgrad import data
+from dgrad.distributed import launch_local
+from dgrad.train.checkpoint import Checkpointer
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
+STEPS, SAVE_AT = 8, 4
+
+
+def test_layouts_of_stages_and_replicas():
+    devices = jax.devices()
+    spread = dgrad.Placement(2, devices, data_parallel=2)
+    assert [[d.id for d in g] for g in spread.groups] == [[0, 1], [2, 3]]
+    interleaved = dgrad.Placement(2, devices, "interleaved", data_parallel=2)
+    assert [[d.id for d in g] for g in interleaved.groups] == [[0, 2], [1, 3]]
+    assert dgrad.Placement(2, devices, data_parallel=-1).data_parallel == 2
+    assert dgrad.Placement(1, devices, data_parallel=-1).data_parallel == 4
+    fused = dgrad.Placement(3, devices, data_parallel=4, fused=True)
+    assert fused.groups == (tuple(devices),) * 3
+    explicit = dgrad.Placement(2, devices, [[3, 2], [1, 0]])
+    assert explicit.data_parallel == 2 and explicit.groups[0] == (devices[3], devices[2])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_stages=3, data_parallel=2), "3 stages x 2 replicas need 6 devices"),
+        (dict(num_stages=2, placement=[[0, 1], [2]]), "same number of devices"),
+        (dict(num_stages=2, placement=[[0, 1], [1, 2]]), "overlap"),
+        (dict(num_stages=2, placement=[[0, 1], [2, 3]], data_parallel=4), "make them agree"),
+        (dict(num_stages=1, data_parallel=8, fused=True, method="bp"), "needs 8 devices"),
+        (dict(num_stages=2, data_parallel=0), "data_parallel must be an integer >= 1"),
+    ],
+)
+def test_layouts_that_cannot_work_say_why(kwargs, match):
+    num_stages = kwargs.pop("num_stages")
+    with pytest.raises(ValueError, match=match):
+        build_pipeline("mlp", num_stages, devices=jax.devices(), **kwargs)
+
+
+def test_a_batch_that_does_not_split_between_replicas():
+    pipe = build_pipeline("mlp", 2, devices=jax.devices(), data_parallel=2)
+    odd = (np.zeros((7, 6), np.float32), np.zeros(7, np.int32))
+    with pytest.raises(ValueError, match="divisible by 2"):
+        pipe.init(odd)
+
+
+def test_fused_backprop_is_data_parallel_over_its_group():
+    pipe = build_pipeline("cnn", 1, method="bp", fused=True, devices=jax.devices(), data_parallel=4)
+    state = pipe.init(batches("cnn", 1)[0])
+    state, metrics = pipe.step(state, batches("cnn", 1)[0])
+    assert jax.tree.leaves(state.stages[0].params)[0].devices() == set(jax.devices())
+    assert np.isfinite(metrics["loss"])
+
+
+def test_each_process_prepares_only_its_rows():
+    """The stream's batch, built from per-device rows, equals the whole batch; the
+    augmentation draws for the whole batch, so it does not depend on the split."""
+    dataset = data.load("synthetic", synthetic_shape=(8, 8, 3), synthetic_examples=64)
+    dataset = dataset.__class__(**{**dataset.__dict__, "train_transform": _cifar_like()})
+    whole = data.Stream(dataset.train, 16, transform=dataset.train_transform, seed=3)
+    placement = dgrad.Placement(2, jax.devices(), data_parallel=4, fused=True)
+    split = data.Stream(
+        dataset.train, 16, transform=dataset.train_transform, seed=3, sharding=placement.sharded(0)
+    )
+    for (x, y), (sx, sy) in zip(whole.iterate(0, 3), split.iterate(0, 3)):
+        assert len(sx.addressable_shards) == 4
+        np.testing.assert_array_equal(np.asarray(sx), x)
+        np.testing.assert_array_equal(np.asarray(sy), y)
+
+
+def _cifar_like():
+    return data.augment.cifar_train((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+
+
+def single_process_run(tmp_path, save=False, restore=False):
+    """The same run in this process: K=2 x D=2 on the 4 local devices."""
+    pipe = build_pipeline(
+        "cnn", 2, method="fdg", optimizer=SMOOTH_OPTIMIZER, devices=jax.devices(), data_parallel=2
+    )
+    stream = batches("cnn", STEPS)
+    state = pipe.init(stream[0])
+    if restore:
+        with Checkpointer(tmp_path / "checkpoints") as checkpoints:
+            state, _ = checkpoints.restore(pipe)
+    losses = []
+    for t in range(state.step, STEPS):
+        state, metrics = pipe.step(state, stream[t])
+        losses.append(float(metrics["loss"]) if metrics else np.nan)
+        if save and state.step == SAVE_AT:
+            with Checkpointer(tmp_path / "checkpoints") as checkpoints:
+                checkpoints.save(state)
+    return np.array(losses), jax.device_get(
+        ([s.params for s in state.stages], [s.rest for s in state.stages])
+    )
+
+
+def two_processes(tmp_path, layout, **flags):
+    out = tmp_path / f"out-{layout}.npz"
+    command = [sys.executable, WORKER, f"--layout={layout}", f"--out={out}", f"--steps={STEPS}"]
+    command += [f"--{name}={value}" for name, value in flags.items()]
+    log = _Log()
+    status = launch_local(command, 2, cpu_devices=2, timeout=240, out=log)
+    assert status == 0, f"the worker processes failed ({status}):\n{log.text[-6000:]}"
+    saved = np.load(out)
+    leaves = [saved[f"leaf{i}"] for i in range(len(saved.files) - 1)]
+    return saved["losses"], leaves, log.text
+
+
+class _Log:
+    def __init__(self):
+        self.text = ""
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("layout", ["a", "b"])
+def test_two_processes_give_the_numbers_of_one(tmp_path, layout):
+    losses, leaves, log = two_processes(tmp_path, layout)
+    groups = {"a": "[[0, 1], [0, 1]]", "b": "[[0], [1]]"}[layout]
+    assert f"stage groups by process: {groups}" in log
+    expected_losses, expected = single_process_run(tmp_path)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_close(leaves, jax.tree.leaves(expected))
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_process_counts(tmp_path):
+    """Saved by 2 processes (stage k on process k), resumed by one; and the reverse."""
+    _, leaves_two, _ = two_processes(tmp_path, "b", save_dir=tmp_path / "from-two", save_at=SAVE_AT)
+    os.rename(tmp_path / "from-two", tmp_path / "checkpoints")
+    _, resumed_here = single_process_run(tmp_path, restore=True)
+    assert_close(jax.tree.leaves(resumed_here), leaves_two)
+
+    os.rename(tmp_path / "checkpoints", tmp_path / "old")
+    _, uninterrupted = single_process_run(tmp_path, save=True)
+    _, resumed_there, _ = two_processes(tmp_path, "b", restore_dir=tmp_path / "checkpoints")
+    assert_close(resumed_there, jax.tree.leaves(uninterrupted))
+
+
+def test_a_process_that_dies_takes_the_others_down(tmp_path):
+    log = _Log()
+    command = [sys.executable, WORKER, "--layout=c", f"--out={tmp_path / 'x.npz'}", "--steps=3"]
+    status = launch_local(command, 2, cpu_devices=2, timeout=120, out=log)
+    assert status != 0
+    assert "exited with status" in log.text or "KeyError" in log.text
+
+
+def test_the_command_line_on_two_processes(tmp_path):
+    """`experiments.launch`: both processes train, process 0 alone writes the metrics,
+    and the run resumes on one process with D = 1 (within float tolerance)."""
+    workdir = tmp_path / "run"
+    common = [
+        "--config=experiments/configs/default.py:smoke",
+        "--config.model.name=mlp",
+        "--config.baseline=",
+        "--config.num_stages=2",
+        "--config.steps_per_epoch=6",
+        "--config.log_every_steps=3",
+        f"--workdir={workdir}",
+    ]
+    launch = [sys.executable, "-m", "experiments.launch", "--processes=2", "--cpu_devices=2"]
+    _, output = run_command(
+        launch + ["--", *common, "--config.num_epochs=1", "--config.data_parallel=2"],
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert (
+        "[0] [process 0] fdg_k2 step 6/6" in output and "[1] [process 1] fdg_k2 step 6/6" in output
+    )
+    lines = (workdir / "fdg_k2" / "metrics.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"epoch"' in line]) == 1
+    _, output = run_command(
+        [sys.executable, "-m", "experiments.train", *common, "--config.num_epochs=2", "--extend"],
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert "resumed from the checkpoint at step 6" in output

@@ -1,0 +1,248 @@
+"""dgrad.train in this process: configs, the workdir's rules, resume bit for bit,
+stopping at any moment, extending, the papers' configs."""
+
+import glob
+import json
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from flax import nnx
+from helpers import ROOT, assert_equal
+
+import dgrad
+from dgrad import data
+from dgrad.train import SetupError, Stopped, StopRequests, build, export, metrics, train
+from dgrad.train import config as fields
+from dgrad.train.checkpoint import Checkpointer
+from dgrad.train.cli import load_config
+
+PAPER_CONFIGS = sorted(glob.glob(str(ROOT / "experiments/configs/cifar*.py")))
+
+
+def quiet(text):
+    pass
+
+
+def small_config(**overrides):
+    """The default config cut to a few seconds: an MLP, one run, 2 short epochs."""
+    config, _ = load_config(str(ROOT / "experiments/configs/default.py:smoke"))
+    config.model.name = "mlp"
+    config.baseline = ""
+    config.num_epochs = 2
+    config.steps_per_epoch = 8
+    config.log_every_steps = 3
+    config.checkpoint_every_steps = 5
+    config.update(overrides)
+    return config
+
+
+def records(workdir, run):
+    return [
+        {k: v for k, v in r.items() if k != "seconds"}
+        for r in metrics.read(workdir / run / "metrics.jsonl")
+    ]
+
+
+def _stop_at_call(monkeypatch, call):
+    """Makes the `call`-th `Pipeline.step` ask the run to stop (as SIGTERM would)."""
+    original, calls = dgrad.Pipeline.step, [0]
+
+    def step(self, state, batch):
+        calls[0] += 1
+        if calls[0] == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, state, batch)
+
+    monkeypatch.setattr(dgrad.Pipeline, "step", step)
+    return lambda: monkeypatch.setattr(dgrad.Pipeline, "step", original)
+
+
+@pytest.mark.parametrize("method", ["fdg", pytest.param("ddg", marks=pytest.mark.slow)])
+def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(tmp_path, monkeypatch, method):
+    config = small_config(method=method, num_stages=3)
+    train(config, tmp_path / "whole", devices=jax.devices()[:3], log=quiet)
+
+    restore = _stop_at_call(monkeypatch, 13)
+    with pytest.raises(Stopped) as stopped:
+        train(config, tmp_path / "cut", devices=jax.devices()[:3], log=quiet)
+    restore()
+    assert stopped.value.checkpoint_step == 13 and stopped.value.signal_number == signal.SIGTERM
+    run = f"{method}_k3"
+    assert sorted(os.listdir(tmp_path / "cut" / run / "checkpoints")) == ["10", "13"]
+    lines = []
+    train(config, tmp_path / "cut", devices=jax.devices()[::-1], log=lines.append)
+    assert any("resumed from the checkpoint at step 13" in line for line in lines)
+    assert records(tmp_path / "cut", run) == records(tmp_path / "whole", run)
+
+    lines = []  # once more: finished, nothing is built or trained
+    again = train(config, tmp_path / "cut", log=lines.append)
+    assert lines == [f"{tmp_path / 'cut'} finished earlier: nothing left to train."]
+    assert again[f"{method.upper()} K=3"] == records(tmp_path / "cut", run)[-1] | {
+        "seconds": again[f"{method.upper()} K=3"]["seconds"]
+    }
+    dataset = data.load(config.dataset)
+    stages = build.build_stages(config, config.num_stages, dataset)
+    whole = nnx.state(export.load(stages, tmp_path / "whole" / run / "model"))
+    stages = build.build_stages(config, config.num_stages, dataset)
+    cut = nnx.state(export.load(stages, tmp_path / "cut" / run / "model"))
+    assert_equal(cut, whole)
+
+
+def test_a_stop_during_a_save_keeps_the_checkpoint_whole(tmp_path, monkeypatch):
+    original = Checkpointer.save
+
+    def save(self, state, extra=None):
+        if state.step == 5:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while this save runs
+        return original(self, state, extra)
+
+    monkeypatch.setattr(Checkpointer, "save", save)
+    with pytest.raises(Stopped) as stopped:
+        train(small_config(), tmp_path, log=quiet)
+    monkeypatch.setattr(Checkpointer, "save", original)
+    assert stopped.value.signal_number == signal.SIGINT
+    assert stopped.value.checkpoint_step == 6  # the save at 5 finished; the next step saved too
+    with Checkpointer(tmp_path / "fdg_k2" / "checkpoints") as checkpoints:
+        assert checkpoints.all_steps() == [5, 6]
+    lines = []
+    train(small_config(), tmp_path, log=lines.append)
+    assert any("resumed from the checkpoint at step 6" in line for line in lines)
+
+
+def test_a_stop_before_training_leaves_nothing_behind(tmp_path):
+    stop = StopRequests()
+    stop.request(signal.SIGTERM)
+    with pytest.raises(Stopped, match="before training"):
+        train(small_config(), tmp_path / "new", log=quiet, stop=stop)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_failed_start_leaves_no_directory(tmp_path):
+    with pytest.raises(SetupError, match="cannot be cut into num_stages=9"):
+        train(small_config(num_stages=9), tmp_path / "new", log=quiet)
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SetupError):
+        train(small_config(num_stages=9), tmp_path / "empty", log=quiet)
+    assert os.listdir(tmp_path / "empty") == []
+
+
+def test_a_workdir_of_another_experiment_is_refused_before_anything_is_written(tmp_path):
+    train(small_config(num_epochs=1), tmp_path, log=quiet)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    for changed in (small_config(num_epochs=1, beta=0.5), small_config(num_epochs=1, seed=3)):
+        with pytest.raises(SetupError, match="holds another experiment"):
+            train(changed, tmp_path, log=quiet)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+    with pytest.raises(SetupError, match="add --extend"):
+        train(small_config(num_epochs=2), tmp_path, log=quiet)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(SetupError, match="not a dgrad workdir"):
+        train(small_config(), tmp_path / "other", log=quiet)
+    # Fields that only change how the run is watched may differ.
+    train(small_config(num_epochs=1, log_every_steps=4, placement="one_per_device"), tmp_path)
+
+
+def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
+    config = small_config(num_epochs=1)
+    train(config, tmp_path / "short", log=quiet)
+    lines = []
+    longer = small_config(num_epochs=2)
+    train(longer, tmp_path / "short", extend=True, log=lines.append)
+    note = next(line for line in lines if line.startswith("Extending"))
+    assert "from 1 to 2 epochs" in note and "cosine" in note and "at step 8 the rate was" in note
+    assert [r["epoch"] for r in metrics.read(tmp_path / "short/fdg_k2/metrics.jsonl", "epoch")] == [
+        1,
+        2,
+    ]
+    assert json.loads((tmp_path / "short" / "config.json").read_text())["num_epochs"] == 2
+    with pytest.raises(SetupError, match="above the 2"):
+        train(small_config(num_epochs=2), tmp_path / "short", extend=True, log=quiet)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("method", "sgd", "Unknown method 'sgd'"),
+        ("dataset", "mnist", "choose one of"),
+        ("num_stages", 0, "positive integer"),
+        ("beta", 1.5, r"beta must lie in \(0, 1\]"),
+        ("baseline", "ddg", "choose one of: '', bp"),
+        ("keep_checkpoints", 0, "positive integer"),
+        ("checkpoint_every_steps", -1, "use 0 or more"),
+    ],
+)
+def test_bad_config_values_name_the_field(tmp_path, field, value, message):
+    config = small_config()
+    config.unlock()
+    config[field] = value
+    with pytest.raises(SetupError, match=message):
+        train(config, tmp_path / "x", log=quiet)
+    assert not (tmp_path / "x").exists()
+
+
+def test_config_files_cannot_add_fields_or_change_types():
+    config = fields.base()
+    with pytest.raises(AttributeError, match="num_stage"):
+        config.num_stage = 3
+    with pytest.raises(TypeError, match="batch_size"):
+        config.batch_size = "64"
+
+
+def test_every_field_is_described_once():
+    described = fields.describe()
+    for field in fields.FIELDS:
+        assert f"--config.{field.name} " in described and field.help
+    assert len(set(fields.FIELD_NAMES)) == len(fields.FIELDS)
+    assert set(fields.flatten(fields.base())) == set(fields.FIELD_NAMES)
+
+
+@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=os.path.basename)
+def test_paper_configs_follow_the_authors(path):
+    config, _ = load_config(path)
+    assert config.dataset in ("cifar10", "cifar100")
+    assert (config.method, config.beta, config.split) == ("fdg", 1.0, "authors")
+    assert (config.batch_size, config.num_epochs) == (128, 300)
+    optimizer = build.resolved_optimizer(config, "fdg")
+    assert optimizer["learning_rate"] == 0.1 and optimizer["momentum"] == 0.9
+    assert optimizer["weight_decay"] == 5e-4 and optimizer["boundaries"] == (150, 225, 275)
+    assert build.resolved_optimizer(config, "ddg")["boundaries"] == (150, 225)
+    assert build.resolved_optimizer(config, "ddg")["nesterov"] is True
+    smoke, _ = load_config(path + ":smoke")
+    assert (smoke.method, smoke.num_stages, smoke.dataset) == (
+        config.method,
+        config.num_stages,
+        config.dataset,
+    )
+    dataset = data.Dataset("x", None, None, None, None, 10, (32, 32, 3))
+    assert len(build.build_stages(smoke, smoke.num_stages, dataset)) == smoke.num_stages
+    for method in ("ddg", "bp"):  # --config.method=... alone gives a valid config
+        config.method = method
+        fields.check(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cifar10_resnet56", "cifar10_wrn28_10", "cifar10_resnet1202"])
+def test_paper_configs_build_with_the_authors_split(name):
+    config, _ = load_config(str(ROOT / "experiments/configs" / f"{name}.py"))
+    dataset = data.Dataset(name, None, None, None, None, 10, (32, 32, 3))
+    assert len(build.build_stages(config, config.num_stages, dataset)) == config.num_stages
+
+
+@pytest.mark.slow
+def test_smoke_paper_config_trains_on_mock_cifar(tmp_path):
+    """The tfds path end to end: augmentation, both runs, evaluation, export."""
+    config, _ = load_config(str(ROOT / "experiments/configs/cifar10_resnet56.py:smoke"))
+    config.num_epochs, config.steps_per_epoch, config.batch_size = 1, 2, 8
+    config.eval_examples, config.eval_batch_size, config.baseline = 12, 8, "bp"
+    with tfds.testing.mock_data(num_examples=24, policy=tfds.testing.MockPolicy.USE_CODE):
+        results = train(config, tmp_path, log=quiet)
+    assert set(results) == {"FDG K=2", "BP (fused)"}
+    for record in results.values():
+        assert 0 <= record["test_accuracy"] <= 1 and np.isfinite(record["test_loss"])
+    assert (tmp_path / "curves.png").exists()
