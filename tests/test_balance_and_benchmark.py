@@ -1,22 +1,19 @@
-"""Block profiling, the speedup ceiling, the memory of the policies, and the benchmark script."""
+"""Block profiling, the speedup ceiling, the memory of the policies, the timeline, and the
+benchmark script."""
 
-import contextlib
 import json
-import pathlib
-import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from helpers import ROOT, assert_equal, run_command
 
 import dgrad
 from dgrad import balance, models
+from dgrad.benchmark import state_bytes_per_device
 from dgrad.timeline import Timeline
-from experiments.benchmark import state_bytes_per_device
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_profile_blocks_times_every_block():
@@ -33,7 +30,7 @@ def test_stage_costs_and_ceiling():
     assert balance.speedup_ceiling([5, 5], []) == 1.0
 
 
-def _pending_bytes(depth, weights, memory):
+def _kept_bytes(depth, weights, memory):
     stages = models.cifar_resnet(depth, 3, 2, width=4, in_channels=1, split="balanced")
     pipe = dgrad.Pipeline(
         stages,
@@ -47,19 +44,25 @@ def _pending_bytes(depth, weights, memory):
     state = pipe.init(batch)
     for i in range(5):  # distinct inputs, so no two records share a buffer
         state, _ = pipe.step(state, (batch[0] + i, batch[1]))
-    pending = state.stages[0].pending
-    assert len(pending) == 2  # batches in flight on stage 0 of an FDG K=2 pipeline
-    return sum(state_bytes_per_device(pending).values())
+    kept = state.stages[0].kept
+    assert len(kept) == 2  # batches in flight on stage 0 of an FDG K=2 pipeline
+    inputs = [getattr(record, "inputs", None) for record in kept]
+    return sum(state_bytes_per_device(kept).values()), sum(state_bytes_per_device(inputs).values())
 
 
-def test_recompute_memory_scales_with_batches_in_flight_not_depth():
-    shallow, deep = (_pending_bytes(d, "current", "recompute") for d in (8, 32))
+def test_memory_of_the_policies():
+    """Recompute keeps the inputs of the batches in flight, whatever the depth; kept
+    residuals grow with the stage's layers; dots keeps less than all residuals."""
+    (shallow, _), (deep, _) = (_kept_bytes(d, "current", "recompute") for d in (8, 32))
     assert shallow == deep == 2 * 8 * 8 * 8 * 1 * 4  # two stored inputs of stage 0
-    kept_shallow, kept_deep = (_pending_bytes(d, "stash", "residuals") for d in (8, 32))
-    assert kept_deep > 2 * kept_shallow  # residuals grow with the layers of the stage
+    kept_shallow, _ = _kept_bytes(8, "stash", "residuals")
+    kept_deep, _ = _kept_bytes(32, "stash", "residuals")
+    assert kept_deep > 2 * kept_shallow
+    dots_deep, _ = _kept_bytes(32, "stash", "dots")
+    assert dots_deep < kept_deep
 
 
-def test_timeline_records_each_device_in_order_without_changing_numbers(tmp_path):
+def test_timeline_watches_from_outside_without_changing_numbers(tmp_path):
     batches = [(jnp.full((4, 8, 8, 1), float(i)), jnp.zeros((4,), jnp.int32)) for i in range(6)]
 
     def train(timeline=None):
@@ -68,17 +71,17 @@ def test_timeline_records_each_device_in_order_without_changing_numbers(tmp_path
             stages, method="fdg", optimizer=optax.sgd(0.1), devices=jax.devices()[:2]
         )
         state = pipe.init(batches[0])
-        with pipe.trace(timeline) if timeline else contextlib.nullcontext():
-            for batch in batches:
-                state, _ = pipe.step(state, batch)
+        stepper = timeline.watch(pipe) if timeline else pipe
+        for batch in batches:
+            state, _ = stepper.step(state, batch)
+        if timeline:
+            timeline.close()
         return jax.device_get([s.params for s in state.stages])
 
     timeline = Timeline()
-    traced = train(timeline)
-    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(train())):
-        assert (a == b).all()
+    assert_equal(train(timeline), train())
     names = {(e.device, e.name) for e in timeline.events}
-    assert names == {(0, "forward_keep"), (0, "backward_kept"), (0, "update"), (1, "loss_step")}
+    assert names == {(0, "forward"), (0, "step"), (1, "loss_step")}
     assert len([e for e in timeline.events if e.name == "loss_step"]) == 5  # after one fill step
     for device in (0, 1):
         events = [e for e in timeline.events if e.device == device]
@@ -92,48 +95,28 @@ def test_timeline_records_each_device_in_order_without_changing_numbers(tmp_path
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_benchmark_runs_at_tiny_size(tmp_path):
+@pytest.mark.slow
+def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""
-    result = subprocess.run(
+    status, output = run_command(
         [
             sys.executable,
             "-m",
             "experiments.benchmark",
-            "--model",
-            "resnet8",
-            "--width",
-            "4",
-            "--image-size",
-            "8",
-            "--batch-size",
-            "4",
-            "--stages",
-            "1,2",
-            "--windows",
-            "2",
-            "--steps",
-            "2",
-            "--policies",
-            "--timeline",
-            str(tmp_path),
+            "--quick",
+            "--model=mlp",
+            "--image-size=8",
+            "--data-parallel=1,2",
+            "--methods=fdg",
+            "--windows=2",
+            "--steps=2",
+            f"--timeline={tmp_path}",
         ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=600,
+        cwd=ROOT,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    rows = [line for line in output.splitlines() if line.startswith("| ") and "---" not in line]
     names = [row.split("|")[1].strip() for row in rows[1:]]
-    assert names == [
-        "bp fused",
-        "bp staged",
-        "ddg",
-        "ddg",
-        "fdg",
-        "fdg",
-        "fdg stash/recompute",
-        "fdg current/recompute",
-    ]
-    assert "predicted ceiling" in result.stdout and "fake CPU devices" in result.stdout
-    assert len(list(tmp_path.glob("*.png"))) == len(list(tmp_path.glob("*.json"))) == len(names)
+    assert names[:3] == ["plain JAX (no dgrad)", "bp fused", "bp fused, data parallel"]
+    assert ("fdg", "2", "2") in [tuple(r.split("|")[i].strip() for i in (1, 2, 3)) for r in rows]
+    assert len(list(tmp_path.glob("*.png"))) == len(rows) - 2  # every pipeline traced

@@ -1,0 +1,155 @@
+"""Side-by-side speed of training layouts, measured round-robin in one process.
+
+Every case (a pipeline, or the plain JAX step that is the floor) is built,
+compiled and filled first; then timed windows go round-robin over the cases,
+so each round compares them under the same machine load. `measure` returns,
+per case, the samples/s of every window, the host's milliseconds per step
+(the time to dispatch a step: what the host costs when the devices are fast),
+and the cores busy (process CPU time over wall time). `state_bytes_per_device`
+is the memory a state holds on each device, counted from its arrays (the CPU
+backend reports no peak); `peak_memory` is the backend's own peak where it
+reports one (GPUs).
+
+>>> import jax.numpy as jnp, optax
+>>> from dgrad import models
+>>> batch = (jnp.ones((8, 6)), jnp.zeros((8,), jnp.int32))
+>>> floor = plain_case("plain", models.mlp([6, 16, 3]), optax.sgd(0.1), batch)
+>>> results = measure([floor], batch, windows=2, steps=2)
+>>> len(results[0].rates), results[0].host_ms[0] > 0
+(2, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from dgrad import losses
+
+
+@dataclasses.dataclass
+class Case:
+    """One configuration to time: `step(state, batch) -> (state, metrics)` from `state`."""
+
+    name: str
+    num_stages: int
+    data_parallel: int
+    step: Callable
+    state: Any
+    pipe: Any = None  # the Pipeline, when the case is one
+    rates: list[float] = dataclasses.field(default_factory=list)
+    host_ms: list[float] = dataclasses.field(default_factory=list)
+    cores_busy: list[float] = dataclasses.field(default_factory=list)
+
+
+def pipeline_case(name: str, pipe, batch, *, warmup: int | None = None) -> Case:
+    """A case of `pipe`, compiled and filled (2K + 2 steps) on `batch`."""
+    state = pipe.init(batch)
+    for _ in range(2 * pipe.num_stages + 2 if warmup is None else warmup):
+        state, _ = pipe.step(state, batch)
+    jax.block_until_ready(state)
+    return Case(name, pipe.num_stages, pipe.placement.data_parallel, pipe.step, state, pipe)
+
+
+def plain_case(
+    name: str,
+    stages: Sequence[nnx.Module],
+    optimizer: optax.GradientTransformation,
+    batch,
+    loss_fn=losses.softmax_cross_entropy,
+) -> Case:
+    """The floor: the whole model's train step written the usual way with Flax's
+    functional API and optax, on the first device, without dgrad."""
+    model = nnx.Sequential(*stages)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    device = jax.devices()[0]
+    params, rest = jax.device_put((params, rest), device)
+    opt_state = jax.device_put(optimizer.init(params), device)
+
+    def train_step(params, rest, opt_state, inputs, labels):
+        def loss(params):
+            model = nnx.merge(graphdef, params, rest, copy=True)
+            value, _ = loss_fn(model(inputs), labels)
+            return value, nnx.split(model, nnx.Param, ...)[2]
+
+        (value, rest), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), rest, opt_state, value
+
+    jitted = jax.jit(train_step, donate_argnums=(0, 1, 2))
+
+    def step(state, batch):
+        params, rest, opt_state, loss = jitted(*state, *jax.device_put(batch, device))
+        return (params, rest, opt_state), {"loss": loss}
+
+    state = (params, rest, opt_state)
+    for _ in range(2):
+        state, _ = step(state, batch)
+    jax.block_until_ready(state)
+    return Case(name, 1, 1, step, state)
+
+
+def measure(cases: Sequence[Case], batch, *, windows: int = 9, steps: int = 6) -> list[Case]:
+    """Times `steps` steps of every case per window, round-robin for `windows` rounds,
+    each round starting at another case; fills the cases' `rates`, `host_ms` and
+    `cores_busy` and returns them."""
+    for round_ in range(windows):
+        shift = round_ % len(cases)
+        for case in list(cases[shift:]) + list(cases[:shift]):
+            state = case.state
+            cpu, start = time.process_time(), time.perf_counter()
+            for _ in range(steps):
+                state, _ = case.step(state, batch)
+            dispatched = time.perf_counter() - start
+            jax.block_until_ready(state)
+            wall = time.perf_counter() - start
+            case.state = state
+            case.rates.append(steps * len(jax.tree.leaves(batch)[0]) / wall)
+            case.host_ms.append(1e3 * dispatched / steps)
+            case.cores_busy.append((time.process_time() - cpu) / wall)
+    return list(cases)
+
+
+def ratios(case: Case, baseline: Case) -> np.ndarray:
+    """`case`'s samples/s over `baseline`'s, window by window (they ran side by side)."""
+    return np.array(case.rates) / np.array(baseline.rates)
+
+
+def summary(values) -> str:
+    """`median [min-max]`."""
+    values = np.asarray(values)
+    return f"{np.median(values):.2f} [{values.min():.2f}-{values.max():.2f}]"
+
+
+def state_bytes_per_device(state) -> dict[int, int]:
+    """Bytes of a state's arrays (weights, optimizer, kept records, messages) on each
+    device; a buffer held twice (a stashed copy of unchanged weights) counts once."""
+    totals, seen = {}, set()
+    for leaf in jax.tree.leaves(state):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            key = (shard.device.id, shard.data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                totals[shard.device.id] = totals.get(shard.device.id, 0) + shard.data.nbytes
+    return dict(sorted(totals.items()))
+
+
+def peak_memory(devices) -> dict[int, float]:
+    """Peak bytes in use per device where the backend reports it (GPUs do, CPUs do not)."""
+    peaks = {}
+    for device in devices:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "peak_bytes_in_use" in stats:
+            peaks[device.id] = stats["peak_bytes_in_use"]
+    return peaks
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
