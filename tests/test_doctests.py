@@ -13,6 +13,7 @@ MODULES = [
     "dgrad.optim.compensation",
     "dgrad.optim.prediction",
     "dgrad.optim.schedules",
+    "dgrad.optim.nesterov",
     "dgrad.optim.per_stage",
     "dgrad.losses",
     "dgrad.stage",
