@@ -10,6 +10,8 @@
   (SpecTrain, Chen et al. 2018; PipeMare, Yang et al. 2021).
 - `pipemare_rescale(tau, horizon)`: step scaled by tau**(-p_t), p_t from 1 to 0 (PipeMare).
 - `accumulate(inner, every)`: averages `every` gradients per step (`optax.MultiSteps`; ADL).
+- `async_nesterov(lr, delay, K)`, `async_nesterov_for(lr, method, K)`: NAdamW whose momentum
+  grows with the stage's delay, b1 + delay * (0.99 - b1) / K (Ajanthan et al. 2025).
 
 In a pipeline, pass them per stage: `Pipeline(..., optimizer=lambda k: ...)`.
 
@@ -34,15 +36,25 @@ from dgrad.optim.delay import (
     stage_labels,
     staged_delay,
 )
+from dgrad.optim.nesterov import (
+    AsyncNesterovState,
+    async_nesterov,
+    async_nesterov_for,
+    scale_by_async_nesterov,
+    stage_momentum,
+)
 from dgrad.optim.prediction import momentum_of, predict_weights
 from dgrad.optim.schedules import PipeMareState, accumulate, pipemare_rescale
 from dgrad.optim.shrink import shrink
 
 __all__ = [
+    "AsyncNesterovState",
     "DelayCompensationState",
     "DelayState",
     "PipeMareState",
     "accumulate",
+    "async_nesterov",
+    "async_nesterov_for",
     "delay",
     "delay_compensation",
     "delayed",
@@ -50,7 +62,9 @@ __all__ = [
     "pipeline_delays",
     "pipemare_rescale",
     "predict_weights",
+    "scale_by_async_nesterov",
     "shrink",
     "stage_labels",
+    "stage_momentum",
     "staged_delay",
 ]
