@@ -26,6 +26,7 @@ MODULES = [
     "dgrad.data",
     "dgrad.data.arrays",
     "dgrad.data.digits",
+    "dgrad.data.mnist1d",
     "dgrad.data.augment",
     "dgrad.data.stream",
     "dgrad.checkpoint",
