@@ -22,6 +22,7 @@ MODULES = [
     "dgrad.models.split",
     "dgrad.models.mlp",
     "dgrad.models.resnet",
+    "dgrad.models.cnn1d",
     "dgrad.balance",
     "dgrad.data",
     "dgrad.data.arrays",

@@ -1,12 +1,16 @@
-"""MNIST-1D, generated offline and cached."""
+"""MNIST-1D, generated offline and cached, and the 1-D ResNet that cuts into up to 8 stages."""
 
 import functools
 import random
 
+import jax
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-from dgrad import data
+import dgrad
+from dgrad import data, models
 from dgrad.data import mnist1d
 
 SAMPLES = 200  # 160 train + 40 test signals: generated in a fraction of a second
@@ -90,3 +94,44 @@ def test_load_gives_the_dataset(cache, monkeypatch):
     assert (ds.num_classes, ds.input_shape, len(ds.train), len(ds.test)) == (10, (40, 1), 160, 40)
     x, y = data.Stream(ds.train, 16, transform=ds.train_transform, seed=0).batch(0)
     assert x.shape == (16, 40, 1) and x.dtype == np.float32 and y.dtype == np.int32
+
+
+def _run(stages, x):
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+def test_cnn1d_is_eight_equal_blocks():
+    blocks = models.cnn1d_blocks()
+    assert len(blocks.modules) == 8
+    assert max(blocks.costs) / min(blocks.costs) < 1.1
+    for k in (1, 2, 4, 8):
+        assert [len(s.layers) for s in blocks.stages(k)] == [8 // k] * k
+    params = nnx.state(models.cnn1d(), nnx.Param)
+    assert sum(x.size for x in jax.tree.leaves(params)) == 13_082
+    with pytest.raises(ValueError, match="8 splittable blocks.*at most 8"):
+        models.cnn1d(num_stages=9)
+
+
+def test_splitting_does_not_change_the_cnn1d():
+    x = jax.random.normal(jax.random.key(0), (4, 40, 1))
+    whole = _run(models.cnn1d(num_stages=1, rngs=3), x)
+    assert whole.shape == (4, 10)
+    for k in range(2, 9):
+        np.testing.assert_allclose(_run(models.cnn1d(num_stages=k, rngs=3), x), whole, atol=1e-5)
+
+
+def test_fdg_trains_the_cnn1d_on_mnist1d_in_four_stages(cache):
+    train, _ = mnist1d.load_mnist1d(SAMPLES)
+    stages = models.cnn1d(num_stages=4, rngs=0)
+    pipe = dgrad.Pipeline(stages, method="fdg", optimizer=optax.sgd(0.05, momentum=0.9))
+    stream = data.Stream(train, 16, transform=data.augment.identity, seed=0)
+    state = pipe.init(stream.batch(0))
+    losses = []
+    for batch in stream.iterate(0, 8):
+        state, metrics = pipe.step(state, batch)
+        if metrics:
+            losses.append(float(metrics["loss"]))
+    pipe.check_finite(state)
+    assert len(losses) == 8 - 3 and np.all(np.isfinite(losses))
