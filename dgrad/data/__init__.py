@@ -1,4 +1,4 @@
-"""Datasets for training: offline digits, synthetic data, and tfds CIFAR / ImageNet.
+"""Datasets for training: offline digits and MNIST-1D, synthetic data, tfds CIFAR / ImageNet.
 
 `load(name)` gives a `Dataset`: the train and test splits as random-access
 sources plus the transforms that turn their examples into model inputs.
@@ -21,10 +21,11 @@ from dgrad.data import augment
 from dgrad.data.arrays import Split, batches, synthetic
 from dgrad.data.augment import Transform
 from dgrad.data.digits import load_digits
+from dgrad.data.mnist1d import load_mnist1d
 from dgrad.data.stream import Source, Stream, eval_batches
 from dgrad.data.tfds_source import DatasetNotFoundError, TfdsSource
 
-DATASETS = ("digits", "synthetic", "cifar10", "cifar100", "imagenet2012")
+DATASETS = ("digits", "mnist1d", "synthetic", "cifar10", "cifar100", "imagenet2012")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +52,20 @@ def load(
 ) -> Dataset:
     """The dataset `name`, one of `DATASETS`.
 
-    `"digits"` ships with scikit-learn (no download); `"synthetic"` is random
+    `"digits"` ships with scikit-learn (no download); `"mnist1d"` is generated
+    by the `mnist1d` package with its fixed seed (the same dataset whatever
+    `seed`; cached, see `dgrad.data.mnist1d`); `"synthetic"` is random
     uint8 images of `synthetic_shape` for speed runs; CIFAR and ImageNet are
     read from `data_dir` (default `$TFDS_DATA_DIR` or `~/tensorflow_datasets`)
     and raise `DatasetNotFoundError`, saying how to prepare them, when absent.
     """
     if name == "digits":
         train, test = load_digits(seed=seed)
+        return Dataset(
+            name, train, test, augment.identity, augment.identity, 10, train.images.shape[1:]
+        )
+    if name == "mnist1d":
+        train, test = load_mnist1d()
         return Dataset(
             name, train, test, augment.identity, augment.identity, 10, train.images.shape[1:]
         )
@@ -110,5 +118,6 @@ __all__ = [
     "eval_batches",
     "load",
     "load_digits",
+    "load_mnist1d",
     "synthetic",
 ]

@@ -4,6 +4,7 @@ Each model also has a `*_blocks` builder that returns the chain of blocks
 (`Blocks`) before it is cut, for custom or profiled splits.
 """
 
+from dgrad.models.cnn1d import cnn1d, cnn1d_blocks
 from dgrad.models.mlp import mlp, mlp_blocks
 from dgrad.models.resnet import cifar_resnet, cifar_resnet_blocks, wide_resnet, wide_resnet_blocks
 from dgrad.models.split import Blocks, balanced_cuts, choose_cuts, stages_from_blocks
@@ -12,6 +13,8 @@ __all__ = [
     "Blocks",
     "mlp",
     "mlp_blocks",
+    "cnn1d",
+    "cnn1d_blocks",
     "cifar_resnet",
     "cifar_resnet_blocks",
     "wide_resnet",
