@@ -63,6 +63,16 @@ def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: da
             split=config.split,
             rngs=config.seed,
         )
+    if spec.name == "cnn1d":
+        return models.cnn1d(
+            classes,
+            num_stages,
+            num_blocks=spec.depth,
+            width=spec.width,
+            in_channels=channels,
+            split=config.split,
+            rngs=config.seed,
+        )
     features = [math.prod(dataset.input_shape), *spec.hidden, classes]
     return models.mlp(features, num_stages, split=config.split, rngs=config.seed)
 

@@ -33,7 +33,7 @@ from ml_collections import config_dict
 from dgrad.data import DATASETS
 from dgrad.options import PLACEMENTS, Options
 
-MODELS = ("cifar_resnet", "wide_resnet", "mlp")
+MODELS = ("cifar_resnet", "wide_resnet", "mlp", "cnn1d")
 SCHEDULES = ("piecewise", "cosine", "constant")
 SPLITS = ("authors", "balanced", "auto")
 
@@ -67,8 +67,12 @@ FIELDS = (
     ),
     Field("image_size", 224, "side of the ImageNet crops"),
     Field("model.name", "cifar_resnet", f"one of {', '.join(MODELS)}"),
-    Field("model.depth", 56, "depth: 6n+2 for cifar_resnet (20, 56, 110, 1202), 6n+4 for WRN"),
-    Field("model.width", 16, "cifar_resnet: channels of the first group"),
+    Field(
+        "model.depth",
+        56,
+        "depth: 6n+2 for cifar_resnet (20, 56, 110, 1202), 6n+4 for WRN, blocks for cnn1d",
+    ),
+    Field("model.width", 16, "cifar_resnet: channels of the first group; cnn1d: channels"),
     Field("model.widen", 10, "wide_resnet: widening factor (WRN-28-10: depth 28, widen 10)"),
     Field("model.hidden", (128, 128), "mlp: the hidden layer sizes"),
     Field(

@@ -209,11 +209,11 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     }
                     if writer is not None:
                         writer.write(record)
-                    progress.close()
-                    ctx.log(
+                    progress.write(
                         f"  epoch {record['epoch']:4d}  train loss "
                         f"{record.get('train_loss', math.nan):.4f}  test accuracy "
-                        f"{record['test_accuracy']:.4f}  ({record['seconds']:.1f} s)"
+                        f"{record['test_accuracy']:.4f}  ({record['seconds']:.1f} s)",
+                        ctx.log,
                     )
                     epoch_start = time.perf_counter()
                 if save_due or stopping:

@@ -84,6 +84,13 @@ class Progress:
         self.stream.write(text + "\n")
         self.stream.flush()
 
+    def write(self, text: str, log) -> None:
+        """Puts a line of text above the bar (or hands it to `log` where there is none)."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            log(text)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

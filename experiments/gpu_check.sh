@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU table: plain JAX, fused BP, and DDG / FDG on K = 1..n stages over the n GPUs of
+# this machine, with FDG's three memory policies, for the FDG paper's Table 6 models
+# (ResNet-56 and WRN-28-10, batch 128). On one GPU the stages share it (K = 1, 2): that
+# measures the overhead of staging, not a speedup.
+#
+#   bash experiments/gpu_check.sh            # uses .venv/bin/python, or $PYTHON
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-.venv/bin/python}
+gpus=$("$python" -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
+if [ "$gpus" -eq 0 ]; then
+  echo "error: no GPU found by JAX; install the cuda12 extra: pip install -e '.[cuda12]'" >&2
+  exit 2
+fi
+stages=$(seq -s, 1 "$(( gpus > 1 ? gpus : 2 ))")
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+for model in resnet56 wrn28-10; do
+  "$python" -m experiments.benchmark --model "$model" --batch-size 128 --stages "$stages" \
+    --split balanced --policies --windows 5 --steps 5
+done

@@ -1,0 +1,48 @@
+"""Every notebook runs top to bottom (nbclient) at the small size its parameters cell
+allows, and every code snippet of the README runs as written."""
+
+import re
+import sys
+
+import nbclient
+import nbformat
+import pytest
+from helpers import ROOT, run_command
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SMALL = {"quickstart.ipynb": "EPOCHS = 1"}  # what the tests set after each parameters cell
+
+
+def test_every_notebook_has_a_small_size():
+    assert {path.name for path in NOTEBOOKS} == set(SMALL)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_runs_at_small_size(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)  # cells carry ids, outputs are well formed
+    tagged = [i for i, c in enumerate(notebook.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, "a notebook has one cell tagged 'parameters'"
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(SMALL[path.name]))
+    client = nbclient.NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": path.parent}}
+    )
+    client.execute()
+    errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+
+
+def readme_snippets():
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_the_readme_has_snippets():
+    assert len(readme_snippets()) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(readme_snippets())))
+def test_readme_snippet_runs_as_written(index, tmp_path):
+    script = tmp_path / "snippet.py"
+    script.write_text(readme_snippets()[index])
+    run_command([sys.executable, str(script)], timeout=600, cwd=ROOT)
