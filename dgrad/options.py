@@ -8,6 +8,8 @@ command line's `--help` reads it from here.
 
 >>> Options(method="fdg", beta=0.5).shrinks
 True
+>>> Options(method="fr").weights, Options(method="fr").memory  # a preset of ddg
+('current', 'recompute')
 >>> Options(method="ddg", beta=0.5)
 Traceback (most recent call last):
 ...
@@ -20,7 +22,7 @@ import dataclasses
 import math
 import numbers
 
-METHODS = ("bp", "ddg", "fdg")
+METHODS = ("bp", "ddg", "fdg", "fr", "dgl")
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")
 PLACEMENTS = ("spread", "interleaved", "one_per_device")  # see dgrad.placement
@@ -60,22 +62,25 @@ class Options:
     method: str = _help(
         "fdg",
         "training method: bp (backprop), ddg (decoupled backward, Huo et al. 2018), fdg (fully "
-        "decoupled, Zhuang et al. 2019); dgrad.schedule states each timetable",
+        "decoupled, Zhuang et al. 2019), fr (Features Replay, Huo et al. 2018: ddg replaying "
+        "on current weights), dgl (decoupled greedy learning, Belilovsky et al. 2020: each "
+        "stage trains on its own auxiliary head); dgrad.schedule states each timetable",
     )
     beta: float = _help(
         1.0,
         "FDG gradient shrinking: stage k's gradient is scaled by beta**(K-1-k) (1 = none)",
     )
-    weights: str = _help(
-        "stash",
+    weights: str | None = _help(
+        None,
         "weights of the delayed backward: stash (those the batch's forward used) or current "
-        "(the stage's weights at backward time; needs memory=recompute)",
+        "(the stage's weights at backward time; needs memory=recompute); unset: stash (fr: "
+        "current)",
     )
-    memory: str = _help(
-        "residuals",
+    memory: str | None = _help(
+        None,
         "what a stage keeps for its delayed backward: residuals (everything the VJP saves), "
         "dots (only matmul and convolution outputs, the rest recomputed) or recompute (only "
-        "the stage input; the forward is recomputed)",
+        "the stage input; the forward is recomputed); unset: residuals (fr: recompute)",
     )
     fused: bool = _help(
         False, "with method=bp: the whole step as one jitted function on one device group"
@@ -90,6 +95,17 @@ class Options:
         "D, devices per stage: each stage is replicated on D devices and the batch split "
         "between them (-1: every device, D = devices // stages)",
     )
+    accumulate: int = _help(
+        1,
+        "M, gradients summed per update (ADL, Zhuang et al. 2020, with method fdg: each stage "
+        "sums M stale gradients, as the authors' code does, and steps once)",
+    )
+    probe_every: int | None = _help(
+        None,
+        "every N steps, measure each stage's staleness: cosine and relative difference of the "
+        "gradient it applied against the same batch's gradient at the current weights, and "
+        "how far its weights moved since that batch's forward; unset: never",
+    )
 
     def __post_init__(self):
         _choice("method", self.method, METHODS)
@@ -99,6 +115,24 @@ class Options:
                 f"beta={self.beta:g} asks for gradient shrinking, which only FDG has; use "
                 "method=fdg or beta=1."
             )
+        presets = {"fr": ("current", "recompute")}
+        weights, memory = presets.get(self.method, ("stash", "residuals"))
+        if self.method in presets and (self.weights, self.memory) not in (
+            (None, None),
+            (weights, memory),
+        ):
+            raise ValueError(
+                "method=fr (Features Replay) replays each stage's forward on its current "
+                "weights: it is ddg with weights=current and memory=recompute; leave weights "
+                "and memory unset."
+            )
+        if self.method == "dgl" and (self.weights, self.memory) != (None, None):
+            raise ValueError(
+                "method=dgl applies every gradient at once (no delayed backward keeps "
+                "anything); leave weights and memory unset."
+            )
+        object.__setattr__(self, "weights", self.weights or weights)
+        object.__setattr__(self, "memory", self.memory or memory)
         _choice("weights policy", self.weights, WEIGHT_POLICIES)
         _choice("memory policy", self.memory, MEMORY_POLICIES)
         if self.weights == "current" and self.memory != "recompute":
@@ -126,6 +160,14 @@ class Options:
             _integer(
                 "data_parallel", self.data_parallel, 1, "use -1 to replicate over every device"
             )
+        _integer("accumulate", self.accumulate, 1, "use 1 for an update every step")
+        if self.accumulate > 1 and self.predict_lr is not None:
+            raise ValueError(
+                "predict_lr predicts the weights a number of updates ahead, which accumulate "
+                "changes; use one or the other."
+            )
+        if self.probe_every is not None:
+            _integer("probe_every", self.probe_every, 1, "or leave it unset for no probe")
 
     @property
     def shrinks(self) -> bool:
@@ -135,7 +177,7 @@ class Options:
     @property
     def keeps_weights(self) -> bool:
         """Whether kept records hold the weights of their forward (delayed methods, stash)."""
-        return self.method != "bp" and self.weights == "stash"
+        return self.method in ("ddg", "fdg") and self.weights == "stash"
 
     @classmethod
     def help(cls) -> dict[str, str]:

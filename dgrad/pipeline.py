@@ -79,6 +79,8 @@ class PipelineState:
       activations: `activations[k]` is the input waiting for stage k (FDG).
       cotangents: `cotangents[k]` is the cotangent waiting for stage k.
       finite: False once any loss was NaN or infinite (see `Pipeline.check_finite`).
+      recent: with `probe_every`, the batches whose gradients some stage has still to
+        apply (the probe recomputes their gradients at the current weights).
     """
 
     step: int = struct.field(pytree_node=False)
@@ -86,6 +88,7 @@ class PipelineState:
     activations: tuple[Message | None, ...]
     cotangents: tuple[Message | None, ...]
     finite: jax.Array
+    recent: tuple[Message, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +128,9 @@ class Pipeline:
         output is stage k+1's input, the last stage's output goes to `loss_fn`.
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
-      method, beta, weights, memory, fused, predict_lr, data_parallel: the
-        training options, see `dgrad.options.Options` (also for what they mean).
+      method, beta, weights, memory, fused, predict_lr, data_parallel, accumulate,
+        probe_every: the training options, see `dgrad.options.Options` (also for
+        what they mean).
       devices, placement: which devices, and how stages (and their
         `data_parallel` replicas) map onto them; see `dgrad.placement.Placement`.
       loss_fn: `(outputs, labels) -> (mean loss, metrics)` for the last stage.
@@ -139,11 +143,13 @@ class Pipeline:
         optimizer: Optimizer,
         method: str = "fdg",
         beta: float = 1.0,
-        weights: str = "stash",
-        memory: str = "residuals",
+        weights: str | None = None,
+        memory: str | None = None,
         fused: bool = False,
         predict_lr: float | None = None,
         data_parallel: int = 1,
+        accumulate: int = 1,
+        probe_every: int | None = None,
         devices: Sequence[jax.Device] | None = None,
         placement: str | Sequence = "spread",
         loss_fn: LossFn = losses.softmax_cross_entropy,
@@ -161,21 +167,25 @@ class Pipeline:
             fused=fused,
             predict_lr=predict_lr,
             data_parallel=data_parallel,
+            accumulate=accumulate,
+            probe_every=probe_every,
         )
         self.num_stages = len(stages)
+        if method == "dgl":
+            _check_aux_heads(stages)
         self.schedule = Schedule(method, self.num_stages)
         self.placement = Placement(
             self.num_stages, devices, placement, data_parallel=data_parallel, fused=fused
         )
         self.loss_fn = loss_fn
-        last = self.num_stages - 1
+        last, greedy = self.num_stages - 1, method == "dgl"
         self.stages = [
             StageFunctions(
                 module,
                 self._stage_optimizer(optimizer, k),
                 options=self.options,
-                first=k == 0,
-                loss_fn=loss_fn if k == last else None,
+                first=k == 0 or greedy,
+                loss_fn=loss_fn if k == last or greedy else None,
                 staleness=self.schedule.weight_staleness(k),
                 replicated=self.placement.replicated(k),
                 sharded=self.placement.sharded(k),
@@ -186,12 +196,18 @@ class Pipeline:
         if fused:
             self._calls[0]["fused_step"] = jax.jit(self._fused_step, donate_argnums=(0, 2))
         self._evaluation_sums = jax.jit(self._evaluation_sums_fn)
+        self._fresh_gradients = jax.jit(self._fresh_gradients_fn)
+        self._compare = jax.jit(_compare_gradients)
         self._batch_shapes, self._specs = None, None
 
     def _stage_optimizer(self, optimizer: Optimizer, k: int) -> optax.GradientTransformation:
         tx = for_stage(optimizer, k)
         if self.options.shrinks:
             tx = optax.chain(shrink(self.options.beta, self.schedule.shrink_depth(k)), tx)
+        every = self.options.accumulate
+        if every > 1:  # ADL: the sum of `every` gradients, one step (as the authors' code)
+            tx = optax.MultiSteps(optax.chain(optax.scale(every), tx), every_k_schedule=every)
+            tx = tx.gradient_transformation()
         return tx
 
     method = property(lambda self: self.options.method)
@@ -253,6 +269,15 @@ class Pipeline:
         finite = self.placement.put(jnp.array(True), self.num_stages - 1)
         return PipelineState(0, tuple(stages), none, none, finite)
 
+    @property
+    def probe_window(self) -> int:
+        """How many past batches the probe keeps: the longest a batch waits for its last
+        gradient (0 without a probe)."""
+        if self.options.probe_every is None:
+            return 0
+        s = self.schedule
+        return max(s.forward_lag(k) + s.gradient_delay(k) for k in range(self.num_stages))
+
     def _stage_specs(self, inputs, labels) -> list[StageSpec]:
         specs, shape = [], inputs
         for k, fns in enumerate(self.stages):
@@ -305,12 +330,31 @@ class Pipeline:
         its loss on in this step: device arrays (`loss` and what `loss_fn`
         reports) plus `batch`, that batch's index in the stream. While an FDG
         pipeline fills, the last stage has no batch yet and the metrics are `{}`.
+        On probed steps (`probe_every`) they also hold `probe` (see `probe`) and
+        `probe_step`, this step's index.
         """
         inputs, labels = self.placement.put_batch(self._check_batch(batch), 0)
+        probe = None
+        every = self.options.probe_every
+        if every is not None and state.step % every == 0:
+            probe = self.probe(state, (inputs, labels))
         if self.fused:
-            return self._step_fused(state, inputs, labels)
-        step = {"bp": self._step_bp, "ddg": self._step_ddg, "fdg": self._step_fdg}[self.method]
-        return step(state, inputs, labels)
+            state, metrics = self._step_fused(state, inputs, labels)
+        else:
+            step = {
+                "bp": self._step_bp,
+                "ddg": self._step_ddg,
+                "fr": self._step_ddg,
+                "fdg": self._step_fdg,
+                "dgl": self._step_dgl,
+            }[self.method]
+            state, metrics = step(state, inputs, labels)
+        if self.probe_window:
+            kept = state.recent + (Message(state.step - 1, inputs, labels),)
+            state = state.replace(recent=kept[-self.probe_window :])
+        if probe:
+            metrics = {**metrics, "probe": probe, "probe_step": state.step - 1}
+        return state, metrics
 
     def _move(self, value, src: int, dst: int):
         return self.placement.move(value, src, dst)
@@ -434,6 +478,34 @@ class Pipeline:
             finite=finite,
         ), metrics
 
+    def _step_dgl(self, state, x, labels):
+        """Every stage but the last trains on its own head's loss; outputs go on, one hop
+        per iteration; no cotangent goes back."""
+        t, last = state.step, self.num_stages - 1
+        stages, activations = list(state.stages), [None] * self.num_stages
+        arriving = (Message(t, x, labels),) + state.activations[1:]
+        for k in range(last):
+            message = arriving[k]
+            if message is None:
+                continue
+            stage = stages[k]
+            params, opt_state, rest, y, _ = self._calls[k]["aux_step"](
+                stage.params, stage.rest, stage.opt_state, message.value, message.labels
+            )
+            stages[k] = stage.replace(params=params, opt_state=opt_state, rest=rest)
+            activations[k + 1] = Message(
+                message.batch, self._move(y, k, k + 1), self._move(message.labels, k, k + 1)
+            )
+        metrics, finite = {}, state.finite
+        if arriving[last] is not None:
+            message = arriving[last]
+            stages[last], _, finite, metrics = self._loss_step(
+                stages[last], message.value, message.labels, message.batch, state.finite
+            )
+        return state.replace(
+            step=t + 1, stages=tuple(stages), activations=tuple(activations), finite=finite
+        ), metrics
+
     def _fused_step(self, params, rests, opt_states, x, labels, finite):
         def loss(params):
             h, new_rests = x, []
@@ -471,6 +543,89 @@ class Pipeline:
             state.replace(step=state.step + 1, stages=stages, finite=finite),
             {**metrics, "batch": state.step},
         )
+
+    # ------------------------------------------------------------ the probe
+
+    def _fresh_gradients_fn(self, params, rests, x, labels):
+        """Every stage's gradient of the loss of (x, labels) at `params` (one backprop of
+        the whole model; statistics are not updated)."""
+
+        def loss(params):
+            h = x
+            for fns, p, r in zip(self.stages, params, rests):
+                h, _ = fns.apply(p, r, h)
+            return self.loss_fn(h, labels)[0]
+
+        return jax.grad(loss)(params)
+
+    def probe(self, state: PipelineState, batch) -> dict[int, dict[str, jax.Array]]:
+        """How stale the gradients are that the next `step(state, batch)` applies.
+
+        For every stage k that applies a gradient in that step (of batch b_k):
+        `cosine` and `relative_difference` (|applied - fresh| / |fresh|) of the
+        gradient it applies against the gradient of b_k's loss at the current
+        weights of every stage (`fresh`, one backprop of the whole model per
+        batch, on the first stage's devices), and `weight_drift`, |w_now - w_b| /
+        |w_now| with w_b the weights of b_k's forward where the stage keeps them
+        (weights=stash; NaN otherwise; 0 where the gradient is fresh). For DGL the
+        applied gradient is that of the stage's own head's loss, compared with the
+        model's loss gradient on the stage's body. Device arrays, keyed by stage;
+        needs `probe_every` (the state keeps the batches whose gradients are due).
+        """
+        t, last = state.step, self.num_stages - 1
+        known = {m.batch: (m.value, m.labels) for m in state.recent}
+        known[t] = self.placement.put_batch(tuple(batch), 0)
+        due = {k: self.schedule.backward_batch(k, t) for k in range(self.num_stages)}
+        params = [self._move(s.params, k, 0) for k, s in enumerate(state.stages)]
+        rests = [self._move(s.rest, k, 0) for k, s in enumerate(state.stages)]
+        fresh_of = {}
+        results = {}
+        for k, b in due.items():
+            if b is None or b not in known:
+                continue
+            if b not in fresh_of:
+                fresh_of[b] = self._fresh_gradients(params, rests, *known[b])
+            applied, drift = self._applied_gradient(k, state, known, b)
+            fresh = fresh_of[b][k]
+            if applied is None:
+                applied = self._move(fresh, 0, k)
+            if self.method == "dgl" and k < last:
+                applied, fresh, drift = applied["body"], fresh["body"], drift["body"]
+                now = state.stages[k].params["body"]
+            else:
+                now = state.stages[k].params
+            results[k] = self._compare(
+                self._move(applied, k, 0), fresh, self._move(now, k, 0), self._move(drift, k, 0)
+            )
+        return results
+
+    def _applied_gradient(self, k, state, known, batch):
+        """Stage k's gradient in the coming step (None where that step computes it from the
+        current weights of every stage: the fresh gradient itself), and the weights of its
+        batch's forward (NaN where the stage does not keep them)."""
+        stage, last, calls = state.stages[k], self.num_stages - 1, self._calls[k]
+        if self.method == "dgl" and k < last:
+            if k == 0:
+                x, labels = self._move(known[batch], 0, k)
+            else:
+                x, labels = state.activations[k].value, state.activations[k].labels
+            return calls["aux_gradient"](stage.params, stage.rest, x, labels), stage.params
+        if k == last:
+            message = state.activations[k]
+            if message is None:  # its input is this step's forward at the current weights
+                return None, stage.params
+            grads = calls["loss_gradient"](stage.params, stage.rest, message.value, message.labels)
+            return grads, stage.params
+        if not stage.kept_batches or stage.kept_batches[0] != batch:  # bp: this step's forward
+            return None, stage.params
+        record, received = stage.kept[0], state.cotangents[k]
+        grads = calls["gradient"](
+            record, stage.params, stage.rest, received.value, self._specs[k].residual_treedef
+        )
+        forward_weights = getattr(record, "params", None)
+        if forward_weights is None:
+            forward_weights = jax.tree.map(lambda w: jnp.full_like(w, jnp.nan), stage.params)
+        return grads, forward_weights
 
     # ------------------------------------------------------- use the weights
 
@@ -562,7 +717,14 @@ class Pipeline:
                 None if batch is None else Message(batch, on(spec.outputs, placement.sharded(k)))
             )
         finite = on(jax.ShapeDtypeStruct((), jnp.bool_), placement.replicated(self.num_stages - 1))
-        return PipelineState(step, tuple(stages), tuple(activations), tuple(cotangents), finite)
+        sharded = placement.sharded(0)
+        recent = tuple(
+            Message(b, on(self._batch_shapes[0], sharded), on(labels, sharded))
+            for b in range(max(0, step - self.probe_window), step)
+        )
+        return PipelineState(
+            step, tuple(stages), tuple(activations), tuple(cotangents), finite, recent
+        )
 
     def _record_structure(self, k: int, spec: StageSpec, opt_state) -> Record:
         """Stage k's record, with the shardings its forward gives the arrays it keeps."""
@@ -582,6 +744,33 @@ class Pipeline:
             spec.record,
             compiled.output_shardings[2],
         )
+
+
+def _check_aux_heads(stages) -> None:
+    from dgrad.models.aux import AuxStage
+
+    missing = [k for k, stage in enumerate(stages[:-1]) if not isinstance(stage, AuxStage)]
+    if missing:
+        raise ValueError(
+            f"method=dgl trains every stage but the last on its own auxiliary head, but stage(s) "
+            f"{missing} have none; add them with dgrad.models.with_aux_heads(stages, "
+            "num_classes, example_input) or wrap a stage as dgrad.models.AuxStage(stage, head)."
+        )
+
+
+def _norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree)))
+
+
+def _compare_gradients(applied, fresh, now, forward_weights):
+    dot = sum(jnp.sum(a * f) for a, f in zip(jax.tree.leaves(applied), jax.tree.leaves(fresh)))
+    difference = jax.tree.map(lambda a, f: a - f, applied, fresh)
+    moved = jax.tree.map(lambda w, v: w - v, now, forward_weights)
+    return {
+        "cosine": dot / (_norm(applied) * _norm(fresh)),
+        "relative_difference": _norm(difference) / _norm(fresh),
+        "weight_drift": _norm(moved) / _norm(now),
+    }
 
 
 __all__ = ["Message", "Pipeline", "PipelineState", "Residuals", "StageState"]

@@ -1,11 +1,17 @@
-"""A plain single-device reference for BP, DDG and FDG, for checking the engine.
+"""A plain single-device reference of every method, for checking the engine.
 
-It passes no messages. It keeps every stage's weights at every iteration,
-`W[k][t]`, and for each update it recomputes the gradient of the batch the
-schedule names: forward through all stages with the weights each stage used
-for that batch and backward with the weights each stage back-propagated with,
-multiplying the received cotangent by beta at every stage but the last (the
-shrinking exactly as FDG describes it). Eager and slow, on purpose.
+BP, DDG and FDG pass no messages: the reference keeps every stage's weights at
+every iteration, `W[k][t]`, and for each update recomputes the gradient of the
+batch the schedule names: forward through all stages with the weights each
+stage used for that batch and backward with the weights each stage
+back-propagated with, multiplying the received cotangent by beta at every stage
+but the last (the shrinking exactly as FDG describes it).
+
+Features Replay (`method="fr"`) is written out as its paper and code state it,
+module by module; the engine runs it as DDG with current weights and
+recomputation, and the tests check the two agree. DGL (`method="dgl"`) is its
+definition: batch by batch, each stage takes a step on its own auxiliary loss
+and hands its output on. Eager and slow, on purpose.
 
 >>> import jax.numpy as jnp, optax
 >>> from dgrad import models
@@ -75,6 +81,10 @@ def reference_run(
     forwards with its weights predicted `tau` updates ahead from the momentum
     in its optimizer state at that moment (tau: its weight staleness).
     """
+    if method == "fr":
+        return _features_replay(stages, batches, optimizer, loss_fn)
+    if method == "dgl":
+        return _greedy(stages, batches, optimizer, loss_fn)
     K = len(stages)
     schedule = Schedule(method, K)
     graphs, W, R, opt_history, txs = [], [], [], [], []
@@ -179,6 +189,126 @@ def reference_run(
                 x = activations(b, j)[j]
                 R[j] = forward(j, forward_weights(j, b), forward_rest[(j, b)], x)[1]
     return ReferenceRun(W, R, loss_history, gradient_batches)
+
+
+class _Modules:
+    """The stages split into graph, current weights, statistics and optimizer state."""
+
+    def __init__(self, stages, optimizer, loss_fn):
+        self.graphs, self.W, self.R, self.opt, self.txs = [], [], [], [], []
+        for k, module in enumerate(stages):
+            copy = nnx.merge(*nnx.split(module))
+            copy.train()
+            graph, params, rest = nnx.split(copy, nnx.Param, ...)
+            tx = optax.with_extra_args_support(for_stage(optimizer, k))
+            self.graphs.append(graph)
+            self.W.append(params)
+            self.R.append(rest)
+            self.opt.append(tx.init(params))
+            self.txs.append(tx)
+        self.loss_fn = loss_fn
+        self.history = [[w] for w in self.W]
+
+    def model(self, k, params, rest):
+        return nnx.merge(self.graphs[k], params, rest, copy=True)
+
+    def forward(self, k, x):
+        model = self.model(k, self.W[k], self.R[k])
+        y = model(x)
+        self.R[k] = nnx.split(model, nnx.Param, ...)[2]
+        return y
+
+    def update(self, k, grads):
+        updates, self.opt[k] = self.txs[k].update(grads, self.opt[k], self.W[k])
+        self.W[k] = optax.apply_updates(self.W[k], updates)
+
+    def snapshot(self):
+        for k, w in enumerate(self.W):
+            self.history[k].append(w)
+
+
+def _features_replay(stages, batches, optimizer, loss_fn) -> ReferenceRun:
+    """Features Replay (Huo, Gu, Huang 2018) as its paper and code state it, for module k
+    of K (0-indexed here), iteration t: forward batch t with the current weights and keep
+    the input; the last module takes its loss and back-propagates at once; module k < K-1
+    replays the forward of the input it kept K-1-k iterations ago with its current
+    weights w_k^t, back-propagates the error gradient module k+1 sent at the end of
+    iteration t-1, sends its input's gradient to module k-1 and updates."""
+    m, K = _Modules(stages, optimizer, loss_fn), len(stages)
+    kept = [dict() for _ in range(K)]  # module -> {batch: the input it forwarded}
+    received = [None] * K  # module -> (batch, error gradient from module k+1)
+    losses, applied = [], [[] for _ in range(K)]
+    for t, (x, labels) in enumerate(batches):
+        h = x
+        for k in range(K - 1):
+            kept[k][t] = h
+            h = m.forward(k, h)
+
+        def loss(params, h, labels=labels):
+            model = m.model(K - 1, params, m.R[K - 1])
+            return m.loss_fn(model(h), labels)[0], nnx.split(model, nnx.Param, ...)[2]
+
+        (value, m.R[K - 1]), (last_grads, error) = jax.value_and_grad(
+            loss, argnums=(0, 1), has_aux=True
+        )(m.W[K - 1], h)
+        losses.append(value)
+        grads, sent = {K - 1: last_grads}, [None] * K
+        if K > 1:
+            sent[K - 2] = (t, error)
+        for k in range(K - 1):
+            if received[k] is None:
+                continue
+            b, gradient = received[k]
+            replay = lambda p, inputs, k=k: m.model(k, p, m.R[k])(inputs)  # noqa: E731
+            _, vjp = jax.vjp(replay, m.W[k], kept[k].pop(b))
+            grads[k], input_gradient = vjp(gradient)
+            if k > 0:
+                sent[k - 1] = (b, input_gradient)
+        for k in range(K):
+            applied[k].append(None if k not in grads else (t if k == K - 1 else received[k][0]))
+            if k in grads:
+                m.update(k, grads[k])
+        received = sent
+        m.snapshot()
+    return ReferenceRun(m.history, m.R, losses, applied)
+
+
+def _greedy(stages, batches, optimizer, loss_fn) -> ReferenceRun:
+    """DGL (Belilovsky, Eickenberg, Oyallon 2020), batch by batch: stage k < K-1 takes a
+    step on the loss of its own auxiliary head and hands its output (from the weights
+    before the step) to stage k+1; the last stage on the model's loss. In a pipeline
+    stage k takes batch b in iteration b+k, so after T iterations it has seen T-k."""
+    m, K, T = _Modules(stages, optimizer, loss_fn), len(stages), len(batches)
+    losses = [None] * T
+    snapshots = [[None] * (T + 1) for _ in range(K)]
+    for k in range(K):
+        snapshots[k][: k + 1] = [m.W[k]] * (k + 1)
+    for b, (x, labels) in enumerate(batches):
+        h = x
+        for k in range(K):
+            if b + k >= T:
+                break
+
+            def loss(params, h=h, k=k, labels=labels):
+                model = m.model(k, params, m.R[k])
+                if k == K - 1:
+                    y = logits = model(h)
+                else:
+                    y, logits = model.auxiliary(h)
+                value = m.loss_fn(logits, labels)[0]
+                return value, (y, nnx.split(model, nnx.Param, ...)[2])
+
+            (value, (h, m.R[k])), grads = jax.value_and_grad(loss, has_aux=True)(m.W[k])
+            m.update(k, grads)
+            snapshots[k][b + k + 1] = m.W[k]
+            if k == K - 1:
+                losses[b + k] = value
+    for k in range(K):  # iterations with nothing to do keep the weights
+        for t in range(1, T + 1):
+            if snapshots[k][t] is None:
+                snapshots[k][t] = snapshots[k][t - 1]
+    applied = [[t - k if t >= k else None for t in range(T)] for k in range(K)]
+    return ReferenceRun(snapshots, m.R, losses, applied)
 
 
 def max_relative_error(a, b) -> float:

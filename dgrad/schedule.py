@@ -1,8 +1,9 @@
 """Who forwards and who back-propagates which batch, at which iteration.
 
-The three training methods of dgrad differ only in their timetable. This module
-states it as plain integer arithmetic; the engine's message passing, the
-single-device reference and the tests all answer to it.
+The training methods of dgrad differ in their timetable (and DGL in its
+objective). This module states the timetable as plain integer arithmetic; the
+engine's message passing, the single-device reference and the tests all answer
+to it.
 
 Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 
@@ -13,6 +14,10 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 |        | backward + update           |                  |               |                  |
 | fdg    | backward + update, then     | b_{t-k}          | b_{t-2K+2+k}  | 2(K-1-k)-1, and  |
 |        | forward (last stage: both)  |                  |               | 0 for the last   |
+| fr     | as ddg, the backward        | b_t              | b_{t-(K-1-k)} | 0 (the weights); |
+|        | replays on current weights  |                  |               | inputs K-1-k old |
+| dgl    | forward, own head's loss,   | b_{t-k}          | b_{t-k}       | 0                |
+|        | backward, update            |                  |               |                  |
 
 - DDG: the cotangent stage k uses at t was made by stage k+1 at t-1; the last
   stage back-propagates its own fresh loss.
@@ -24,6 +29,13 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
   so stage k's gradient is scaled by beta^(K-1-k); weight decay is not shrunk.
 - Fill: a stage with no gradient yet makes no update at all (no optimizer step,
   no momentum or weight decay). The pipeline is never drained between epochs.
+- FR (Features Replay) is the DDG timetable whose delayed backward replays the
+  stage's forward on its stored input with its current weights (`Options` makes
+  it ddg with weights=current and memory=recompute); the weights of the
+  gradient are fresh, the input and the received cotangent are not.
+- DGL: every stage but the last trains on the loss of its own auxiliary head;
+  nothing crosses a stage boundary backwards, so stage k takes batch t-k as in
+  FDG and applies its gradient at once.
 - Weight staleness counts the updates between a batch's forward and the update
   that applies its gradient, which is what a single-device staleness
   simulation must use.
@@ -68,11 +80,11 @@ class Schedule:
     def gradient_delay(self, stage: int) -> int:
         """Iterations between stage's forward of a batch and its backward of it."""
         depth = self.last - stage
-        return {"bp": 0, "ddg": depth, "fdg": 2 * depth}[self.method]
+        return {"bp": 0, "ddg": depth, "fr": depth, "fdg": 2 * depth, "dgl": 0}[self.method]
 
     def forward_lag(self, stage: int) -> int:
         """How many iterations after it entered the pipeline `stage` forwards a batch."""
-        return stage if self.method == "fdg" else 0
+        return stage if self.method in ("fdg", "dgl") else 0
 
     def forward_batch(self, stage: int, t: int) -> int | None:
         """Index of the batch `stage` forwards in iteration `t` (None during fill)."""
@@ -95,9 +107,17 @@ class Schedule:
         return self.method == "fdg" and stage < self.last
 
     def weight_staleness(self, stage: int) -> int:
-        """Updates applied between a batch's forward and the update using its gradient."""
+        """Updates applied between the forward whose weights a gradient is taken at and the
+        update that applies it (FR takes it at the current weights: 0)."""
+        if self.method == "fr":
+            return 0
         delay = self.gradient_delay(stage)
         return delay - 1 if self.updates_before_forward(stage) else delay
+
+    def input_staleness(self, stage: int) -> int:
+        """Iterations between a batch's forward through `stage` and its backward there (how
+        old the kept input and the received cotangent are)."""
+        return self.gradient_delay(stage)
 
     def shrink_depth(self, stage: int) -> int:
         """Power of beta that gradient shrinking applies to `stage`'s gradient."""
@@ -107,19 +127,19 @@ class Schedule:
 
     def kept_batches(self, stage: int, t: int) -> list[int]:
         """Batches whose forward `stage` has run but whose gradient it has not applied yet."""
-        if self.method == "bp" or stage == self.last:
+        if self.method in ("bp", "dgl") or stage == self.last:
             return []
         first = max(0, t - self.forward_lag(stage) - self.gradient_delay(stage))
         return [b for b in range(first, t) if self.forward_iteration(stage, b) < t]
 
     def activation_batch(self, stage: int, t: int) -> int | None:
         """The batch whose activation waits for `stage` (FDG: one hop costs one iteration)."""
-        if self.method != "fdg" or stage == 0 or t == 0:
+        if self.method not in ("fdg", "dgl") or stage == 0 or t == 0:
             return None
         return self.forward_batch(stage - 1, t - 1)
 
     def cotangent_batch(self, stage: int, t: int) -> int | None:
         """The batch whose cotangent waits for `stage`, sent by stage + 1 in iteration t-1."""
-        if self.method == "bp" or stage == self.last or t == 0:
+        if self.method in ("bp", "dgl") or stage == self.last or t == 0:
             return None
         return self.backward_batch(stage, t)

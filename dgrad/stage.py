@@ -11,7 +11,11 @@ e.g. BatchNorm statistics) and jits the few pure functions a pipeline calls:
   call (FDG updates before it forwards, DDG after);
 - `backward_update`: backward and update only (stage-by-stage backprop);
 - `loss_step`: the last stage's loss, backward and update;
-- `predict`: the forward in evaluation mode.
+- `aux_step`: DGL: forward, the loss of the stage's own auxiliary head, backward
+  and update (the stage is a `dgrad.models.AuxStage`);
+- `predict`: the forward in evaluation mode;
+- `gradient`, `loss_gradient`, `aux_gradient`: the parameter gradient alone
+  (for the staleness probe).
 
 Given a `Placement`'s shardings, the functions keep parameters, statistics and
 optimizer state replicated on the stage's devices and activations and
@@ -94,8 +98,8 @@ class StageFunctions:
       module: the stage, an initialised NNX module. It is not modified.
       optimizer: this stage's optax transformation.
       options: the pipeline's `Options` (memory and weights policies, method).
-      first: whether this is stage 0 (its input needs no cotangent).
-      loss_fn: set on the last stage; `loss_step` uses it.
+      first: whether the stage sends no cotangent back (stage 0; every DGL stage).
+      loss_fn: set on the last stage (`loss_step`) and on DGL stages (`aux_step`).
       staleness: the stage's weight staleness (for weight prediction).
       replicated, sharded: shardings of the stage's state and of its batches.
 
@@ -136,7 +140,11 @@ class StageFunctions:
             "step": {"donate_argnums": donated_params + (2,), "static_argnums": (6,)},
             "backward_update": {"donate_argnums": donated_params + (2,), "static_argnums": (5,)},
             "loss_step": {"donate_argnums": (0, 2)},  # the last stage's weights are never kept
+            "aux_step": {"donate_argnums": (0, 2)},  # DGL keeps no weights either
             "predict": {},
+            "gradient": {"static_argnums": (4,)},
+            "loss_gradient": {},
+            "aux_gradient": {},
         }
         for name, options_ in self._jit_options.items():
             setattr(self, name, jax.jit(getattr(self, f"_{name}"), **options_))
@@ -224,6 +232,10 @@ class StageFunctions:
         grads, input_cotangent = (cotangents[0], None) if self.first else cotangents
         return grads, _constrain(input_cotangent, self.sharded)
 
+    def _gradient(self, record: Record, params, rest, cotangent, treedef=None):
+        """The parameter gradient of `record`'s batch (what `backward_update` applies)."""
+        return self._backward(record, params, rest, cotangent, treedef)[0]
+
     @staticmethod
     def _stale(record: Record):
         """The weights `record`'s gradient is taken at; None means the current ones."""
@@ -279,6 +291,38 @@ class StageFunctions:
             _constrain(cotangent, self.sharded),
             _constrain(metrics, self.replicated),
             finite,
+        )
+
+    def _loss_gradient(self, params, rest, x, labels):
+        """The last stage's parameter gradient of its loss on `x` (what `loss_step` applies)."""
+        return self._loss_and_backward(params, rest, x, labels)[0]
+
+    def _auxiliary_loss(self, params, rest, x, labels):
+        model = nnx.merge(self.train_graph, params, rest, copy=True)
+        y, logits = model.auxiliary(x)
+        value, metrics = self.loss_fn(logits, labels)
+        return value, (y, {"loss": value, **metrics}, nnx.split(model, nnx.Param, ...)[2])
+
+    def _aux_gradient(self, params, rest, x, labels):
+        """A DGL stage's gradient of its auxiliary loss (what `aux_step` applies)."""
+        return jax.grad(self._auxiliary_loss, has_aux=True)(params, rest, x, labels)[0]
+
+    def _aux_step(self, params, rest, opt_state, x, labels):
+        """DGL: forward, the auxiliary head's loss, backward and update in one function.
+
+        Returns the new params, optimizer state and statistics, the output for the
+        next stage (from the weights before the update), and the auxiliary metrics.
+        """
+        grads, (y, metrics, rest) = jax.grad(self._auxiliary_loss, has_aux=True)(
+            params, rest, x, labels
+        )
+        params, opt_state = self.apply_optimizer(params, opt_state, grads)
+        return (
+            params,
+            opt_state,
+            _constrain(rest, self.replicated),
+            _constrain(jax.lax.stop_gradient(y), self.sharded),
+            _constrain(metrics, self.replicated),
         )
 
     def _predict(self, params, rest, x):

@@ -153,6 +153,7 @@ class Timeline:
             "step": "tab:green",
             "backward": "tab:orange",
             "loss": "tab:red",
+            "aux": "tab:brown",
             "fused": "tab:purple",
         }
         devices = sorted({e.device for e in self.events})

@@ -45,7 +45,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--policies", action="store_true", help="also FDG's other memory and weight policies"
     )
-    parser.add_argument("--methods", default="ddg,fdg", help="pipelined methods to time")
+    parser.add_argument(
+        "--methods", default="ddg,fdg", help="pipelined methods to time: ddg, fdg, fr, dgl"
+    )
     parser.add_argument(
         "--timeline", metavar="DIR", help="write a Gantt chart and Perfetto trace of each case"
     )
@@ -150,7 +152,10 @@ def main(argv=None):
         groups = 1 if options.get("fused") else k
         if replicas > 1 and groups * replicas > len(devices):
             return
-        pipe = dgrad.Pipeline(stages(k), optimizer=optimizer, devices=devices, **options)
+        model = stages(k)
+        if options.get("method") == "dgl":
+            model = models.with_aux_heads(model, 10, batch[0][:1])
+        pipe = dgrad.Pipeline(model, optimizer=optimizer, devices=devices, **options)
         cases.append(bench.pipeline_case(name, pipe, batch))
 
     add("bp fused", 1, method="bp", fused=True)

@@ -166,6 +166,23 @@ def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [dict(method="fr"), dict(method="dgl", probe_every=4), dict(accumulate=2, probe_every=5)],
+)
+def test_the_family_trains_from_a_config(tmp_path, overrides):
+    config = small_config(num_epochs=1, **overrides)
+    results = train(config, tmp_path, log=quiet)
+    (record,) = results.values()
+    assert 0 <= record["test_accuracy"] <= 1
+    probes = metrics.read(tmp_path / f"{config.method}_k2" / "metrics.jsonl", "probe")
+    if config.probe_every:
+        assert {r["stage"] for r in probes} == {0, 1}
+        assert all(-1 <= r["cosine"] <= 1 for r in probes)
+    else:
+        assert probes == []
+
+
+@pytest.mark.parametrize(
     "field, value, message",
     [
         ("method", "sgd", "Unknown method 'sgd'"),

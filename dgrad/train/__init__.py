@@ -83,8 +83,9 @@ def _extension_note(config, saved: dict[str, Any], steps_per_epoch: int) -> str:
     end = old.num_epochs * steps_per_epoch
     notes = []
     for run in fields.runs_of(config):
-        before = float(build.learning_rate(old, run.method, steps_per_epoch)(end))
-        after = float(build.learning_rate(config, run.method, steps_per_epoch)(end))
+        every = 1 if run.fused else config.accumulate
+        before = float(build.learning_rate(old, run.method, steps_per_epoch, every)(end // every))
+        after = float(build.learning_rate(config, run.method, steps_per_epoch, every)(end // every))
         notes.append(f"{run.title}: at step {end} the rate was {before:.4g}, now {after:.4g}")
     return (
         f"Extending from {old.num_epochs} to {config.num_epochs} epochs: the "
@@ -204,12 +205,15 @@ def _example_batch(config, dataset):
 def _plot(path: str, runs, config, name: str) -> None:
     from dgrad.train import metrics
 
-    curves = {
-        r.title: metrics.read(os.path.join(path, r.label, "metrics.jsonl"), "epoch") for r in runs
-    }
+    records = {r.title: metrics.read(os.path.join(path, r.label, "metrics.jsonl")) for r in runs}
+    curves = {t: [r for r in rs if r["kind"] == "epoch"] for t, rs in records.items()}
+    probes = {t: [r for r in rs if r["kind"] == "probe"] for t, rs in records.items()}
     title = f"{name}: {config.dataset}, {config.model.name}"
     metrics.plot_curves(
-        {k: v for k, v in curves.items() if v}, os.path.join(path, "curves.png"), title=title
+        {k: v for k, v in curves.items() if v},
+        os.path.join(path, "curves.png"),
+        title=title,
+        probes=probes,
     )
 
 

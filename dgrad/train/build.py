@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from dgrad import data, models
@@ -84,32 +86,48 @@ def authors_boundaries(method: str) -> tuple[int, ...]:
 
 def resolved_optimizer(config: ml_collections.ConfigDict, method: str) -> dict[str, Any]:
     """`config.optimizer` with its unset fields filled by the authors' choice for `method`:
-    decay epochs (`authors_boundaries`) and Nesterov momentum (DDG's code used it)."""
+    decay epochs (`authors_boundaries`), Nesterov momentum (DDG's code used it), and the
+    ADL code's 5-epoch warm-up when gradients accumulate."""
     spec = config.optimizer.to_dict()
     if spec["boundaries"] is None:
         spec["boundaries"] = authors_boundaries(method)
     if spec["nesterov"] is None:
         spec["nesterov"] = method == "ddg"
+    if spec["warmup_epochs"] is None:
+        spec["warmup_epochs"] = 5 if config.accumulate > 1 else 0
     return spec
 
 
 def learning_rate(
-    config: ml_collections.ConfigDict, method: str, steps_per_epoch: int
+    config: ml_collections.ConfigDict, method: str, steps_per_epoch: int, accumulate: int = 1
 ) -> optax.Schedule:
-    """The learning rate after a stage's n-th update."""
+    """The learning rate of a stage's n-th update. With `accumulate` = M a stage updates
+    once every M steps, so epochs are counted in steps / M (as the ADL code counts data
+    steps); a warm-up rises linearly from lr / 100 to lr."""
     spec = resolved_optimizer(config, method)
-    rate, total = spec["learning_rate"], config.num_epochs * steps_per_epoch
+    updates_per_epoch = steps_per_epoch / accumulate
+    rate, total = spec["learning_rate"], int(config.num_epochs * updates_per_epoch)
     if spec["schedule"] == "piecewise":
-        return optax.piecewise_constant_schedule(
-            rate, {int(e * steps_per_epoch): spec["decay"] for e in spec["boundaries"]}
+        main = optax.piecewise_constant_schedule(
+            rate, {int(e * updates_per_epoch): spec["decay"] for e in spec["boundaries"]}
         )
-    if spec["schedule"] == "cosine":
-        return optax.cosine_decay_schedule(rate, total)
-    return optax.constant_schedule(rate)
+    elif spec["schedule"] == "cosine":
+        main = optax.cosine_decay_schedule(rate, total)
+    else:
+        main = optax.constant_schedule(rate)
+    warmup = int(spec["warmup_epochs"] * updates_per_epoch)
+    if not warmup:
+        return main
+
+    def warmed_up(count):
+        ramp = rate * (0.01 + 0.99 * (count + 1) / warmup)
+        return jnp.where(count < warmup, ramp, main(count))
+
+    return warmed_up
 
 
 def build_optimizer(
-    config: ml_collections.ConfigDict, method: str, steps_per_epoch: int
+    config: ml_collections.ConfigDict, method: str, steps_per_epoch: int, accumulate: int = 1
 ) -> optax.GradientTransformation:
     """SGD with momentum and coupled weight decay on the config's schedule.
 
@@ -120,7 +138,7 @@ def build_optimizer(
     return optax.chain(
         optax.add_decayed_weights(spec["weight_decay"]),
         optax.sgd(
-            learning_rate(config, method, steps_per_epoch),
+            learning_rate(config, method, steps_per_epoch, accumulate),
             spec["momentum"] or None,
             nesterov=spec["nesterov"],
         ),
@@ -135,15 +153,23 @@ def build_pipeline(
     devices,
 ) -> Pipeline:
     """The run's pipeline on `devices` (the fused baseline uses the first D of them)."""
+    stages = build_stages(config, run.num_stages, dataset)
+    if run.method == "dgl":
+        example = np.zeros((1, *dataset.input_shape), np.float32)
+        stages = models.with_aux_heads(stages, dataset.num_classes, example, rngs=config.seed)
+    baseline = run.fused
+    accumulate = 1 if baseline else config.accumulate
     pipe = Pipeline(
-        build_stages(config, run.num_stages, dataset),
+        stages,
         method=run.method,
-        optimizer=build_optimizer(config, run.method, steps_per_epoch),
+        optimizer=build_optimizer(config, run.method, steps_per_epoch, accumulate),
         beta=config.beta if run.method == "fdg" else 1.0,
-        weights=config.weights,
-        memory=config.memory,
+        weights=None if baseline else config.weights,
+        memory=None if baseline else config.memory,
         fused=run.fused,
         data_parallel=config.data_parallel,
+        accumulate=accumulate,
+        probe_every=None if baseline else config.probe_every,
         devices=devices,
         placement="spread" if run.fused else config.placement,
     )

@@ -50,11 +50,12 @@ class Field:
     resumable: bool = False
 
 
-_OPTION_HELP = Options.help()
+_OPTIONS = {f.name: f for f in dataclasses.fields(Options)}
 
 
-def _option(name: str, **kwargs) -> Field:
-    return Field(name, getattr(Options(), name), _OPTION_HELP[name], **kwargs)
+def _option(name: str, kind: type | None = None, **kwargs) -> Field:
+    option = _OPTIONS[name]
+    return Field(name, option.default, option.metadata["help"], kind=kind, **kwargs)
 
 
 FIELDS = (
@@ -84,9 +85,11 @@ FIELDS = (
     _option("method"),
     Field("num_stages", 2, "K, the number of pipeline stages"),
     _option("beta"),
-    _option("weights"),
-    _option("memory"),
+    _option("weights", kind=str),
+    _option("memory", kind=str),
     _option("data_parallel", resumable=True),
+    _option("accumulate"),
+    _option("probe_every", kind=int),
     Field(
         "placement",
         "spread",
@@ -128,6 +131,13 @@ FIELDS = (
         kind=tuple,
     ),
     Field("optimizer.decay", 0.1, "piecewise: factor at each boundary"),
+    Field(
+        "optimizer.warmup_epochs",
+        None,
+        "epochs of linear warm-up from lr/100 (schedules count data steps); unset: 5 with "
+        "accumulate > 1 (the ADL authors' code), else 0",
+        kind=int,
+    ),
     Field("log_every_steps", 50, "steps between train-metric records", resumable=True),
     Field(
         "checkpoint_every_steps",
@@ -254,6 +264,8 @@ def check(config: ml_collections.ConfigDict) -> None:
         _fail("optimizer.learning_rate", values["optimizer.learning_rate"], "use a positive rate")
     if not 0 <= values["optimizer.momentum"] < 1:
         _fail("optimizer.momentum", values["optimizer.momentum"], "use a value in [0, 1)")
+    if values["optimizer.warmup_epochs"] is not None and values["optimizer.warmup_epochs"] < 0:
+        _fail("optimizer.warmup_epochs", values["optimizer.warmup_epochs"], "use 0 or more")
     if values["optimizer.weight_decay"] < 0:
         _fail("optimizer.weight_decay", values["optimizer.weight_decay"], "use 0 or more")
     try:
@@ -263,6 +275,8 @@ def check(config: ml_collections.ConfigDict) -> None:
             weights=config.weights,
             memory=config.memory,
             data_parallel=config.data_parallel,
+            accumulate=config.accumulate,
+            probe_every=config.probe_every,
         )
     except ValueError as error:
         raise ValueError(f"config: {error}") from None

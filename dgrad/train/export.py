@@ -30,6 +30,7 @@ import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from dgrad.models.aux import AuxStage
 from dgrad.pipeline import Pipeline, PipelineState
 from dgrad.placement import share
 
@@ -49,7 +50,8 @@ def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None
         else:
             target = device or pipe.devices[0]
             params, rest = jax.device_put((stage.params, stage.rest), target, may_alias=False)
-        modules.append(nnx.merge(fns.eval_graph, params, rest))
+        module = nnx.merge(fns.eval_graph, params, rest)
+        modules.append(module.body if isinstance(module, AuxStage) else module)  # heads dropped
     model = nnx.Sequential(*modules)
     model.eval()
     return model

@@ -43,7 +43,11 @@ class Tally:
         """Adds one step's metrics (reading them to the host); returns them as floats."""
         if not reported:  # FDG while filling: no batch reached the loss yet
             return {}
-        values = {name: float(v) for name, v in reported.items() if name != "batch"}
+        values = {
+            name: float(v)
+            for name, v in reported.items()
+            if name not in ("batch", "probe", "probe_step")
+        }
         for sums in (self.epoch, self.interval):
             for name, value in values.items():
                 sums[name] = sums.get(name, 0.0) + value
@@ -65,6 +69,15 @@ class Tally:
 
     def saved(self) -> dict[str, dict[str, float]]:
         return {"epoch": dict(self.epoch), "interval": dict(self.interval)}
+
+
+def write_probe(writer, reported: dict[str, Any]) -> None:
+    """One `probe` record per stage when the step's metrics hold the staleness probe's."""
+    if writer is None or "probe" not in reported:
+        return
+    for stage, values in reported["probe"].items():
+        record = {name: float(value) for name, value in values.items()}
+        writer.write({"kind": "probe", "step": reported["probe_step"], "stage": stage, **record})
 
 
 @dataclasses.dataclass
@@ -178,6 +191,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                 state, step_metrics = pipe.step(state, batch)
                 if reported is not None:
                     last_loss = tally.add(reported).get("loss", last_loss)
+                    write_probe(writer, reported)
                 reported = share(step_metrics)
                 step = state.step
                 progress.update(step, last_loss)
@@ -190,6 +204,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                 if not (epoch_end or log_due or save_due or stopping):
                     continue
                 tally.add(reported)
+                write_probe(writer, reported)
                 reported = None
                 if (log_due or epoch_end) and writer is not None:
                     interval = tally.take_interval()

@@ -63,9 +63,11 @@ class MetricWriter:
         self._file.write(json.dumps(dict(record)) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
+            suffix = f"_stage{record['stage']}" if "stage" in record else ""
             for name, value in record.items():
-                if name not in ("kind", "step") and isinstance(value, (int, float)):
-                    self._tensorboard.add_scalar(f"{record['kind']}/{name}", value, record["step"])
+                if name not in ("kind", "step", "stage") and isinstance(value, (int, float)):
+                    tag = f"{record['kind']}/{name}{suffix}"
+                    self._tensorboard.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
         self._file.close()
@@ -80,17 +82,35 @@ class MetricWriter:
 
 
 def plot_curves(
-    runs: Mapping[str, Iterable[Mapping[str, Any]]], path: str | os.PathLike, title: str = ""
+    runs: Mapping[str, Iterable[Mapping[str, Any]]],
+    path: str | os.PathLike,
+    title: str = "",
+    probes: Mapping[str, Iterable[Mapping[str, Any]]] | None = None,
 ) -> str:
-    """Train loss and test accuracy per epoch of each run (label -> epoch records), as a PNG.
+    """Train loss and test accuracy per epoch of each run (label -> epoch records), and the
+    staleness probe's gradient cosine per stage where runs have `probes` records, as a PNG.
 
     Drawn on a `matplotlib.figure.Figure` of its own: the global backend (a
     notebook's) is left alone.
     """
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 4.4))
-    loss_axes, accuracy_axes = figure.subplots(1, 2)
+    probes = {label: list(records) for label, records in (probes or {}).items()}
+    probes = {label: records for label, records in probes.items() if records}
+    figure = Figure(figsize=(15 if probes else 10, 4.4))
+    axes_row = figure.subplots(1, 3 if probes else 2)
+    loss_axes, accuracy_axes = axes_row[:2]
+    if probes:
+        probe_axes = axes_row[2]
+        for label, records in probes.items():
+            for stage in sorted({r["stage"] for r in records}):
+                points = [(r["step"], r["cosine"]) for r in records if r["stage"] == stage]
+                probe_axes.plot(*zip(*points), ".-", label=f"{label}, stage {stage}")
+        probe_axes.set(
+            xlabel="step", ylabel="cosine(applied, fresh)", title="Gradient staleness (probe)"
+        )
+        probe_axes.grid(alpha=0.3)
+        probe_axes.legend(fontsize=7)
     for label, records in runs.items():
         records = list(records)
         epochs = [r["epoch"] for r in records]

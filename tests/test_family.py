@@ -1,0 +1,263 @@
+"""The decoupled-learning family in the one engine: Features Replay, DGL, ADL
+(accumulation) and the staleness probe, each against its plain reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import (
+    NUM_CLASSES,
+    assert_close,
+    assert_equal,
+    assert_matches_reference,
+    batches,
+    build_stages,
+    input_shape,
+    num_steps,
+    optimizer,
+    params_of,
+    reference,
+    run_pipeline,
+)
+
+import dgrad
+from dgrad import models
+from dgrad.reference import reference_run
+from dgrad.train import export
+from dgrad.train.checkpoint import Checkpointer
+
+
+def layouts(num_stages):
+    return {
+        "one device": dict(devices=jax.devices()[:1]),
+        "a device per stage": dict(devices=jax.devices()[:num_stages]),
+    }
+
+
+def dgl_stages(model, num_stages):
+    example = jnp.zeros(input_shape(model))
+    return models.with_aux_heads(build_stages(model, num_stages), NUM_CLASSES, example)
+
+
+def run_dgl(model, num_stages, data=None, **kwargs):
+    data = data or batches(model, num_steps(num_stages))
+    pipe = dgrad.Pipeline(
+        dgl_stages(model, num_stages), method="dgl", optimizer=optimizer, **kwargs
+    )
+    state, history = pipe.init(data[0]), []
+    for batch in data:
+        state, metrics = pipe.step(state, batch)
+        history.append(metrics)
+    return pipe, state, history
+
+
+SIZES = [
+    ("mlp", 1),
+    ("mlp", 2),
+    ("mlp", 3),
+    ("mlp", 4),
+    ("cnn", 2),
+    pytest.param("cnn", 1, marks=pytest.mark.slow),
+    pytest.param("cnn", 3, marks=pytest.mark.slow),
+    pytest.param("cnn", 4, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("model, num_stages", SIZES)
+def test_features_replay_is_its_papers_rule_and_a_preset_of_ddg(model, num_stages):
+    """The paper's rule, written out module by module in the reference, equals the
+    engine's fr, which is bit for bit ddg with current weights and recomputation."""
+    ref = reference(model, num_stages, "fr")
+    for layout in layouts(num_stages).values():
+        _, state, history = run_pipeline(model, num_stages, method="fr", **layout)
+        assert_matches_reference(state, history, ref)
+        _, preset, _ = run_pipeline(
+            model, num_stages, method="ddg", weights="current", memory="recompute", **layout
+        )
+        assert_equal(params_of(state), params_of(preset))
+    if num_stages > 1:  # control: replaying on current weights is not stashing
+        with pytest.raises(AssertionError):
+            assert_matches_reference(state, history, reference(model, num_stages, "ddg"))
+
+
+@pytest.mark.parametrize("model, num_stages", SIZES)
+def test_dgl_matches_the_greedy_reference(model, num_stages):
+    data = batches(model, num_steps(num_stages))
+    ref = reference_run(dgl_stages(model, num_stages), data, method="dgl", optimizer=optimizer)
+    for layout in layouts(num_stages).values():
+        _, state, history = run_dgl(model, num_stages, data, **layout)
+        assert_matches_reference(state, history, ref)
+    if num_stages > 1:  # control: the greedy objective is not backprop's
+        bp = reference_run(dgl_stages(model, num_stages), data, method="bp", optimizer=optimizer)
+        with pytest.raises(AssertionError):
+            assert_close(params_of(state), bp.params)
+
+
+def test_dgl_on_one_stage_is_backprop():
+    _, dgl, _ = run_dgl("cnn", 1)
+    _, bp, _ = run_pipeline("cnn", 1, method="bp", fused=True)
+    assert_close(params_of(dgl), params_of(bp), 1e-6, 1e-7)
+
+
+def test_dgl_export_drops_the_heads(tmp_path):
+    data = batches("cnn", 5)
+    pipe, state, _ = run_dgl("cnn", 2, data, devices=jax.devices()[:2])
+    model = export.merge(pipe, state)
+    assert not any(isinstance(m, models.AuxStage) for m in model.layers)
+    np.testing.assert_allclose(
+        np.asarray(model(data[0][0])), np.asarray(pipe.predict(state, data[0][0])), rtol=1e-5
+    )
+    path = export.save(model, tmp_path / "model")
+    loaded = export.load(build_stages("cnn", 2), path)
+    assert_equal(loaded(data[0][0]), model(data[0][0]))
+
+
+@pytest.mark.parametrize("method", ["fdg", "ddg"])
+def test_adl_sums_every_m_gradients_and_matches_the_reference(method):
+    """accumulate=M: each stage sums M gradients and steps once (the ADL authors' code);
+    the reference runs the same maths through optax.MultiSteps."""
+    every, K = 2, 3
+
+    def summed(k):
+        inner = optax.chain(optax.scale(every), optimizer(k))
+        return optax.MultiSteps(inner, every_k_schedule=every).gradient_transformation()
+
+    data = batches("mlp", 4 * K)
+    ref = reference_run(build_stages("mlp", K), data, method=method, optimizer=summed)
+    _, state, history = run_pipeline(
+        "mlp", K, data=data, method=method, accumulate=every, devices=jax.devices()[:K]
+    )
+    assert_matches_reference(state, history, ref)
+    plain = reference_run(build_stages("mlp", K), data, method=method, optimizer=optimizer)
+    with pytest.raises(AssertionError):
+        assert_close(params_of(state), plain.params)
+
+
+def test_adl_moves_the_weights_every_m_steps_only():
+    K, every = 2, 3
+    pipe = dgrad.Pipeline(
+        build_stages("mlp", K), method="fdg", optimizer=optax.sgd(0.1), accumulate=every
+    )
+    data = batches("mlp", 12)
+    state, moved = pipe.init(data[0]), []
+    for t, batch in enumerate(data):
+        before = params_of(state)[1]
+        state, _ = pipe.step(state, batch)
+        after = params_of(state)[1]
+        if any(np.any(a != b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))):
+            moved.append(t)
+    # The last stage takes its first batch at step 1 (FDG), then steps after every third.
+    assert moved == [3, 6, 9]
+
+
+def test_the_probe_measures_against_a_hand_computation():
+    """DDG, K = 2, weights=stash, at step t: stage 0 applies the gradient of batch t-1 at
+    the weights of t-1; the probe compares it with that batch's gradient at the weights
+    of now, and the weights of now with those of t-1."""
+    t, data = 5, batches("mlp", 6)
+    pipe = dgrad.Pipeline(
+        build_stages("mlp", 2), method="ddg", optimizer=optax.sgd(0.1), probe_every=1
+    )
+    state = pipe.init(data[0])
+    for batch in data[:t]:
+        state, _ = pipe.step(state, batch)
+    probe = jax.device_get(pipe.probe(state, data[t]))
+    ref = reference_run(build_stages("mlp", 2), data[:t], method="ddg", optimizer=optax.sgd(0.1))
+    graphs = [
+        models.split.nnx.split(s, models.split.nnx.Param, ...) for s in build_stages("mlp", 2)
+    ]
+
+    def loss(params, x, y):
+        for (graph, _, rest), p in zip(graphs, params):
+            x = models.split.nnx.merge(graph, p, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+
+    x, y = data[t - 1]
+    fresh = jax.grad(loss)([ref.history[0][t], ref.history[1][t]], x, y)[0]
+    applied = jax.grad(loss)([ref.history[0][t - 1], ref.history[1][t - 1]], x, y)[0]
+    flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])  # noqa: E731
+    a, f = flat(applied), flat(fresh)
+    now, then = flat(ref.history[0][t]), flat(ref.history[0][t - 1])
+    np.testing.assert_allclose(
+        probe[0]["cosine"], a @ f / np.linalg.norm(a) / np.linalg.norm(f), rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        probe[0]["relative_difference"], np.linalg.norm(a - f) / np.linalg.norm(f), rtol=1e-4
+    )
+    np.testing.assert_allclose(
+        probe[0]["weight_drift"], np.linalg.norm(now - then) / np.linalg.norm(now), rtol=1e-4
+    )
+    assert probe[0]["cosine"] < 0.9999  # stale, so the check above can fail
+    assert probe[1]["cosine"] == pytest.approx(1.0) and probe[1]["weight_drift"] == 0.0
+
+
+def test_the_probe_runs_every_n_steps_only_and_leaves_the_numbers_alone():
+    data = batches("mlp", 10)
+    _, probed, history = run_pipeline("mlp", 3, data=data, method="fdg", probe_every=4)
+    _, plain, _ = run_pipeline("mlp", 3, data=data, method="fdg")
+    assert_equal(params_of(probed), params_of(plain))
+    # Steps 0, 4, 8 are probed; at step 0 no FDG stage applies a gradient yet.
+    assert [t for t, m in enumerate(history) if "probe" in m] == [4, 8]
+    assert [m["probe_step"] for m in history if "probe" in m] == [4, 8]
+    _, bp, history = run_pipeline("mlp", 3, data=data, method="bp", probe_every=3)
+    for m in (m for m in history if "probe" in m):
+        assert all(float(v["cosine"]) == pytest.approx(1.0) for v in m["probe"].values())
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(method="fr", weights="stash"), "leave weights and memory unset"),
+        (dict(method="dgl", memory="recompute"), "leave weights and memory unset"),
+        (dict(method="fr", beta=0.5), "only FDG has"),
+        (dict(probe_every=0), "probe_every must be an integer >= 1"),
+        (dict(accumulate=0), "accumulate must be an integer >= 1"),
+        (dict(accumulate=2, predict_lr=0.1), "use one or the other"),
+        (dict(method="dgl"), "stage\\(s\\) \\[0\\] have none; add them with"),
+    ],
+)
+def test_bad_family_settings(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dgrad.Pipeline(build_stages("mlp", 2), optimizer=optax.sgd(0.1), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [("fr", {}), ("dgl", {}), ("fdg", dict(accumulate=2)), ("ddg", dict(probe_every=3))],
+)
+def test_the_family_resumes_bit_identically(tmp_path, method, options):
+    data = batches("mlp", 11)
+    stages = dgl_stages if method == "dgl" else build_stages
+
+    def make(devices):
+        return dgrad.Pipeline(
+            stages("mlp", 3), method=method, optimizer=optimizer, devices=devices, **options
+        )
+
+    pipe = make(jax.devices()[:3])
+    state = pipe.init(data[0])
+    for batch in data[:5]:
+        state, _ = pipe.step(state, batch)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state)
+    whole = state
+    for batch in data[5:]:
+        whole, _ = pipe.step(whole, batch)
+    fresh = make(jax.devices()[::-1][:3])
+    fresh.init(data[0])
+    with Checkpointer(tmp_path) as checkpoints:
+        restored, _ = checkpoints.restore(fresh)
+    for batch in data[5:]:
+        restored, _ = fresh.step(restored, batch)
+    assert_equal(jax.device_get(restored), jax.device_get(whole))
+
+
+def test_the_timetables_of_the_family():
+    fr, dgl = dgrad.Schedule("fr", 3), dgrad.Schedule("dgl", 3)
+    assert [fr.backward_batch(k, 5) for k in range(3)] == [3, 4, 5]  # as DDG
+    assert [fr.weight_staleness(k) for k in range(3)] == [0, 0, 0]  # gradients at current w
+    assert [fr.input_staleness(k) for k in range(3)] == [2, 1, 0]
+    assert [dgl.forward_batch(k, 5) for k in range(3)] == [5, 4, 3]  # as FDG
+    assert [dgl.backward_batch(k, 5) for k in range(3)] == [5, 4, 3]  # at once
+    assert [dgl.weight_staleness(k) for k in range(3)] == [0, 0, 0]
