@@ -17,8 +17,8 @@ from dgrad.timeline import Timeline
 
 
 def test_profile_blocks_times_every_block():
-    chain = models.cifar_resnet_blocks(8, 10, width=4, in_channels=1)
-    times = balance.profile_blocks(chain.modules, jnp.ones((4, 8, 8, 1)), repeats=2)
+    chain = models.mlp_blocks([16, 64, 64, 64, 4])
+    times = balance.profile_blocks(chain.modules, jnp.ones((4, 16)), repeats=2)
     assert len(times) == len(chain.modules) and all(t > 0 for t in times)
     cuts = balance.balanced_cuts(times, 2)
     assert 1.0 <= balance.speedup_ceiling(times, cuts) <= 2.0
@@ -50,6 +50,7 @@ def _kept_bytes(depth, weights, memory):
     return sum(state_bytes_per_device(kept).values()), sum(state_bytes_per_device(inputs).values())
 
 
+@pytest.mark.slow
 def test_memory_of_the_policies():
     """Recompute keeps the inputs of the batches in flight, whatever the depth; kept
     residuals grow with the stage's layers; dots keeps less than all residuals."""
@@ -63,10 +64,10 @@ def test_memory_of_the_policies():
 
 
 def test_timeline_watches_from_outside_without_changing_numbers(tmp_path):
-    batches = [(jnp.full((4, 8, 8, 1), float(i)), jnp.zeros((4,), jnp.int32)) for i in range(6)]
+    batches = [(jnp.full((4, 6), float(i)), jnp.zeros((4,), jnp.int32)) for i in range(6)]
 
     def train(timeline=None):
-        stages = models.cifar_resnet(8, 3, 2, width=4, in_channels=1, split="balanced")
+        stages = models.mlp([6, 16, 16, 3], num_stages=2)
         pipe = dgrad.Pipeline(
             stages, method="fdg", optimizer=optax.sgd(0.1), devices=jax.devices()[:2]
         )

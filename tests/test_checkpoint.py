@@ -48,7 +48,7 @@ def restored(tmp_path, pipe, data):
         ("mlp", 3, "ddg", "stash", "dots"),
         ("mlp", 2, "bp", "stash", "residuals"),
         pytest.param("cnn", 2, "fdg", "stash", "residuals", marks=pytest.mark.slow),
-        ("cnn", 3, "ddg", "stash", "residuals"),
+        pytest.param("cnn", 3, "ddg", "stash", "residuals", marks=pytest.mark.slow),
     ],
 )
 def test_resume_is_bit_identical_on_another_layout(
@@ -67,23 +67,31 @@ def test_resume_is_bit_identical_on_another_layout(
     assert_equal(run(fresh, state, data[SAVE_AT:]), uninterrupted)
 
 
-@pytest.mark.parametrize("saved_with, resumed_with", [(1, 2), (2, 1)])
-def test_resume_with_another_number_of_replicas(tmp_path, saved_with, resumed_with):
+@pytest.mark.parametrize(
+    "model, saved_with, resumed_with",
+    [
+        ("mlp", 1, 2),
+        pytest.param("cnn", 1, 2, marks=pytest.mark.slow),
+        pytest.param("cnn", 2, 1, marks=pytest.mark.slow),
+    ],
+)
+def test_resume_with_another_number_of_replicas(tmp_path, model, saved_with, resumed_with):
     """The same state whatever D: within float tolerance (the batch reductions are split
     differently), the kept residuals included."""
-    data = batches("cnn", STEPS)
+    data = batches(model, STEPS)
     options = dict(method="fdg", beta=0.7, devices=jax.devices())
-    pipe = build_pipeline("cnn", 2, data_parallel=saved_with, **options)
+    pipe = build_pipeline(model, 2, data_parallel=saved_with, **options)
     state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
     with Checkpointer(tmp_path) as checkpoints:
         checkpoints.save(state, {"note": "mid-run"})
     uninterrupted = jax.device_get(run(pipe, state, data[SAVE_AT:]))
-    fresh = build_pipeline("cnn", 2, data_parallel=resumed_with, **options)
+    fresh = build_pipeline(model, 2, data_parallel=resumed_with, **options)
     state = restored(tmp_path, fresh, data)
     assert len(jax.tree.leaves(state.stages[0].params)[0].devices()) == resumed_with
     assert_close(run(fresh, state, data[SAVE_AT:]), uninterrupted, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fused_backprop_resumes_bit_identically(tmp_path):
     data, uninterrupted = saved_and_continued(tmp_path, "cnn", 1, method="bp", fused=True)
     fresh = build_pipeline("cnn", 1, devices=jax.devices()[2:3], method="bp", fused=True)

@@ -64,7 +64,11 @@ def test_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
         (["--bogus=1"], "unknown argument --bogus=1"),
         (["--config.method=sgd"], "Unknown method 'sgd'; choose one of: bp, ddg, fdg"),
         (["--config.method=ddg", "--config.beta=0.5"], "only FDG has; use method=fdg or beta=1"),
-        (["--config.model.name=mlp", "--config.num_stages=9"], "cannot be cut into num_stages=9"),
+        pytest.param(
+            ["--config.model.name=mlp", "--config.num_stages=9"],
+            "cannot be cut into num_stages=9",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_a_mistake_gets_one_line_and_status_2(tmp_path, args, message):
@@ -110,7 +114,14 @@ def _train_until(workdir, predicate, args, timeout=300):
     return process
 
 
-@pytest.mark.parametrize("moment", ["starting", "compiling", "training"])
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "starting",
+        pytest.param("compiling", marks=pytest.mark.slow),
+        pytest.param("training", marks=pytest.mark.slow),
+    ],
+)
 def test_ctrl_c_at_any_moment_stops_cleanly(tmp_path, moment):
     workdir = tmp_path / "run"
     args = [SMOKE, "--config.model.name=mlp", "--config.baseline=", "--config.log_every_steps=5"]

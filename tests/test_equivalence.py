@@ -26,6 +26,7 @@ COMBOS = [
     ("fdg", "current", "recompute", 0.5),
 ]
 MLP_ONLY = [("fdg", "stash", "residuals", 1.0), ("fdg", "current", "recompute", 1.0)]
+FAST_CNN = [("ddg", "stash", "residuals", 1.0)]
 
 
 def layouts(num_stages):
@@ -64,14 +65,25 @@ def check(model, num_stages, method, weights, memory, beta, names=None):
             raise AssertionError(f"{name}: {error}") from None
 
 
-@pytest.mark.parametrize("num_stages", [1, 2, 3, 4])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "num_stages",
+    [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW), pytest.param(4, marks=SLOW)],
+)
 @pytest.mark.parametrize("method,weights,memory,beta", COMBOS + MLP_ONLY)
 def test_mlp_matches_reference(num_stages, method, weights, memory, beta):
     check("mlp", num_stages, method, weights, memory, beta)
 
 
-@pytest.mark.parametrize("num_stages", [1, 2, 3])
-@pytest.mark.parametrize("method,weights,memory,beta", COMBOS)
+@pytest.mark.parametrize(
+    "num_stages", [pytest.param(1, marks=SLOW), 2, pytest.param(3, marks=SLOW)]
+)
+@pytest.mark.parametrize(
+    "method,weights,memory,beta",
+    [c if c in FAST_CNN else pytest.param(*c, marks=SLOW) for c in COMBOS],
+)
 def test_batchnorm_cnn_matches_reference_replicated(num_stages, method, weights, memory, beta):
     """BatchNorm statistics of the whole batch, whatever the number of replicas."""
     names = [n for n in layouts(num_stages) if "replicas" in n] or ["a device per stage"]
@@ -85,7 +97,7 @@ def test_batchnorm_cnn_matches_reference(num_stages, method, weights, memory, be
     check("cnn", num_stages, method, weights, memory, beta, ["one device", "a device per stage"])
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=SLOW)])
 def test_comparison_can_fail(model):
     """The methods really differ by far more than the tolerance, so the checks above bite,
     also with replicated stages."""

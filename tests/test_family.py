@@ -53,11 +53,11 @@ def run_dgl(model, num_stages, data=None, **kwargs):
 
 
 SIZES = [
-    ("mlp", 1),
+    pytest.param("mlp", 1, marks=pytest.mark.slow),
     ("mlp", 2),
-    ("mlp", 3),
-    ("mlp", 4),
-    ("cnn", 2),
+    pytest.param("mlp", 3, marks=pytest.mark.slow),
+    pytest.param("mlp", 4, marks=pytest.mark.slow),
+    pytest.param("cnn", 2, marks=pytest.mark.slow),
     pytest.param("cnn", 1, marks=pytest.mark.slow),
     pytest.param("cnn", 3, marks=pytest.mark.slow),
     pytest.param("cnn", 4, marks=pytest.mark.slow),
@@ -94,26 +94,27 @@ def test_dgl_matches_the_greedy_reference(model, num_stages):
             assert_close(params_of(state), bp.params)
 
 
-def test_dgl_on_one_stage_is_backprop():
-    _, dgl, _ = run_dgl("cnn", 1)
-    _, bp, _ = run_pipeline("cnn", 1, method="bp", fused=True)
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
+def test_dgl_on_one_stage_is_backprop(model):
+    _, dgl, _ = run_dgl(model, 1)
+    _, bp, _ = run_pipeline(model, 1, method="bp", fused=True)
     assert_close(params_of(dgl), params_of(bp), 1e-6, 1e-7)
 
 
 def test_dgl_export_drops_the_heads(tmp_path):
-    data = batches("cnn", 5)
-    pipe, state, _ = run_dgl("cnn", 2, data, devices=jax.devices()[:2])
+    data = batches("mlp", 5)
+    pipe, state, _ = run_dgl("mlp", 2, data, devices=jax.devices()[:2])
     model = export.merge(pipe, state)
     assert not any(isinstance(m, models.AuxStage) for m in model.layers)
     np.testing.assert_allclose(
         np.asarray(model(data[0][0])), np.asarray(pipe.predict(state, data[0][0])), rtol=1e-5
     )
     path = export.save(model, tmp_path / "model")
-    loaded = export.load(build_stages("cnn", 2), path)
+    loaded = export.load(build_stages("mlp", 2), path)
     assert_equal(loaded(data[0][0]), model(data[0][0]))
 
 
-@pytest.mark.parametrize("method", ["fdg", "ddg"])
+@pytest.mark.parametrize("method", ["fdg", pytest.param("ddg", marks=pytest.mark.slow)])
 def test_adl_sums_every_m_gradients_and_matches_the_reference(method):
     """accumulate=M: each stage sums M gradients and steps once (the ADL authors' code);
     the reference runs the same maths through optax.MultiSteps."""

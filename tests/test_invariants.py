@@ -20,8 +20,10 @@ from helpers import (
 import dgrad
 from dgrad import models
 
+SLOW = pytest.mark.slow
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=SLOW)])
 def test_one_stage_is_backprop_for_every_method(model):
     _, bp_state, bp_metrics = run_pipeline(model, 1, steps=6, method="bp", fused=True)
     for method, weights, memory in [
@@ -45,7 +47,7 @@ def test_one_stage_is_backprop_for_every_method(model):
         assert_close([m["loss"] for m in history], [m["loss"] for m in bp_metrics], 1e-6, 1e-7)
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=SLOW)])
 @pytest.mark.parametrize("num_stages", [2, 4])
 def test_staged_backprop_equals_fused_backprop(model, num_stages):
     _, fused, _ = run_pipeline(
@@ -58,6 +60,7 @@ def test_staged_backprop_equals_fused_backprop(model, num_stages):
     assert_close(rests_of(staged), rests_of(fused), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method,weights,memory", [("ddg", "stash", "residuals"), ("fdg", "current", "recompute")]
 )
@@ -90,6 +93,7 @@ def test_device_mapping_does_not_change_numbers(method, weights, memory):
         assert_close(other, results[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["bp", "ddg", "fdg"])
 def test_replicas_do_not_change_numbers(method):
     """K=2 x D=2 and K=1 x D=4 against D=1 with the same global batch; fused BP over 4."""
@@ -145,7 +149,9 @@ def _steps_where_params_change(num_stages, method, stream, optimizer, **kwargs):
     return changed
 
 
-@pytest.mark.parametrize("num_stages", [2, 3, 4])
+@pytest.mark.parametrize(
+    "num_stages", [pytest.param(2, marks=SLOW), 3, pytest.param(4, marks=SLOW)]
+)
 @pytest.mark.parametrize("method", ["bp", "ddg", "fdg"])
 @pytest.mark.parametrize("weights,memory", [("stash", "residuals"), ("current", "recompute")])
 def test_each_stage_applies_the_gradient_of_the_papers_batch(num_stages, method, weights, memory):
@@ -185,22 +191,24 @@ def test_learning_rate_schedules_count_each_stages_own_updates():
 
 
 @pytest.mark.parametrize(
-    "method,weights,memory,fused",
+    "model,method,weights,memory,fused",
     [
-        ("bp", "stash", "residuals", True),
-        ("bp", "stash", "recompute", False),
-        ("ddg", "stash", "residuals", False),
-        ("ddg", "current", "recompute", False),
-        ("fdg", "stash", "recompute", False),
-        ("fdg", "stash", "residuals", False),
-        ("fdg", "stash", "dots", False),
+        pytest.param("cnn", "bp", "stash", "residuals", True, marks=SLOW),
+        pytest.param("cnn", "bp", "stash", "recompute", False, marks=SLOW),
+        pytest.param("cnn", "ddg", "stash", "residuals", False, marks=SLOW),
+        pytest.param("cnn", "ddg", "current", "recompute", False, marks=SLOW),
+        pytest.param("cnn", "fdg", "stash", "recompute", False, marks=SLOW),
+        pytest.param("cnn", "fdg", "stash", "residuals", False, marks=SLOW),
+        pytest.param("cnn", "fdg", "stash", "dots", False, marks=SLOW),
+        ("mlp", "ddg", "current", "recompute", False),
+        ("mlp", "fdg", "stash", "residuals", False),
     ],
 )
-def test_each_stage_function_compiles_once(method, weights, memory, fused):
+def test_each_stage_function_compiles_once(model, method, weights, memory, fused):
     K = 1 if fused else 3
     devices = jax.devices()[:1] if fused else jax.devices()[:K]
     pipe, state, _ = run_pipeline(
-        "cnn",
+        model,
         K,
         steps=3 * K + 2,
         method=method,
@@ -211,7 +219,7 @@ def test_each_stage_function_compiles_once(method, weights, memory, fused):
     )
     counts = _compile_counts(pipe)
     assert max(counts.values()) == 1, counts
-    for batch in batches("cnn", 2, seed=5):
+    for batch in batches(model, 2, seed=5):
         state, _ = pipe.step(state, batch)
     assert _compile_counts(pipe) == counts
 

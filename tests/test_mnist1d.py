@@ -122,6 +122,7 @@ def test_splitting_does_not_change_the_cnn1d():
         np.testing.assert_allclose(_run(models.cnn1d(num_stages=k, rngs=3), x), whole, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fdg_trains_the_cnn1d_on_mnist1d_in_four_stages(cache):
     train, _ = mnist1d.load_mnist1d(SAMPLES)
     stages = models.cnn1d(num_stages=4, rngs=0)

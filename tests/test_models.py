@@ -21,6 +21,7 @@ def run(stages, x):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("depth,params", [(20, 269_722), (56, 853_018)])
 def test_cifar_resnet_has_the_papers_size(depth, params):
     stages = models.cifar_resnet(depth, num_stages=2)
@@ -40,6 +41,7 @@ def _sizes(stages):
     return [len(s.layers) for s in stages]
 
 
+@pytest.mark.slow
 def test_the_papers_resnet_splits():
     n = 9  # ResNet-56: [stem, 9 x L1, 9 x L2, 9 x L3, head]
     assert _sizes(models.cifar_resnet(56, num_stages=2)) == [1 + n + 4, (n - 4) + n + 1]

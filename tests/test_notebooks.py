@@ -10,13 +10,19 @@ import pytest
 from helpers import ROOT, run_command
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-SMALL = {"quickstart.ipynb": "EPOCHS = 1"}  # what the tests set after each parameters cell
+SMALL = {  # what the tests set after each notebook's parameters cell
+    "quickstart.ipynb": "EPOCHS = 1",
+    "optax.ipynb": "EPOCHS = 2",
+    "speed.ipynb": "STEPS = 3",
+    "staleness.ipynb": "EPOCHS = 1\nSEEDS = (0,)\nSTAGES = (2,)\nPROBE_STAGES = 2",
+}
 
 
 def test_every_notebook_has_a_small_size():
     assert {path.name for path in NOTEBOOKS} == set(SMALL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs_at_small_size(path):
     notebook = nbformat.read(path, as_version=4)
@@ -41,6 +47,7 @@ def test_the_readme_has_snippets():
     assert len(readme_snippets()) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(readme_snippets())))
 def test_readme_snippet_runs_as_written(index, tmp_path):
     script = tmp_path / "snippet.py"

@@ -82,7 +82,7 @@ def test_pipeline_delays():
     assert optim.pipeline_delays("fdg", 4) == [5, 3, 1, 0]
 
 
-@pytest.mark.parametrize("num_stages", [2, 3])
+@pytest.mark.parametrize("num_stages", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_staged_delay_on_one_device_equals_the_ddg_pipeline(num_stages):
     """DDG with stashed weights applies stage k the gradient of the whole model at the
     weights of K-1-k steps ago: what staged_delay simulates on one device."""
@@ -183,7 +183,11 @@ def test_accumulate_averages_before_each_step():
     assert [float(u[0]) for u in out] == [0.0, -2.0, 0.0, -7.0]
 
 
-@pytest.mark.parametrize("transform", ["delay", "pipemare", "accumulate", "shrink"])
+@pytest.mark.parametrize(
+    "transform",
+    [pytest.param(t, marks=pytest.mark.slow) for t in ("delay", "pipemare", "accumulate")]
+    + ["shrink"],
+)
 def test_transforms_plug_into_the_engine_per_stage(transform):
     K = 3
     factories = {

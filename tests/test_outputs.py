@@ -11,7 +11,7 @@ from dgrad.train import export, metrics
 from dgrad.train.progress import Progress
 
 
-@pytest.mark.parametrize("method", ["fdg", "ddg"])
+@pytest.mark.parametrize("method", ["fdg", pytest.param("ddg", marks=pytest.mark.slow)])
 def test_merged_model_predicts_like_the_pipeline(tmp_path, method):
     data = batches("cnn", 7)
     pipe = build_pipeline("cnn", 3, method=method, devices=jax.devices()[1:4])

@@ -141,6 +141,7 @@ class _Log:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["a", "b"])
 def test_two_processes_give_the_numbers_of_one(tmp_path, layout):
     losses, leaves, log = two_processes(tmp_path, layout)
@@ -173,6 +174,7 @@ def test_a_process_that_dies_takes_the_others_down(tmp_path):
     assert "exited with status" in log.text or "KeyError" in log.text
 
 
+@pytest.mark.slow
 def test_the_command_line_on_two_processes(tmp_path):
     """`experiments.launch`: both processes train, process 0 alone writes the metrics,
     and the run resumes on one process with D = 1 (within float tolerance)."""

@@ -219,7 +219,11 @@ def test_every_field_is_described_once():
     assert set(fields.flatten(fields.base())) == set(fields.FIELD_NAMES)
 
 
-@pytest.mark.parametrize("path", PAPER_CONFIGS, ids=os.path.basename)
+@pytest.mark.parametrize(
+    "path",
+    [p if i == 0 else pytest.param(p, marks=pytest.mark.slow) for i, p in enumerate(PAPER_CONFIGS)],
+    ids=os.path.basename,
+)
 def test_paper_configs_follow_the_authors(path):
     config, _ = load_config(path)
     assert config.dataset in ("cifar10", "cifar100")

@@ -5,9 +5,9 @@ Both are chains of blocks `[stem, group1..., group2..., group3..., head]`
 (`split="authors"`) or to balance the stages' multiply-adds.
 Inputs are NHWC images.
 
->>> stages = cifar_resnet(depth=56, num_stages=2)
->>> [len(s.layers) for s in stages]  # stem+L1+L2[:4] | L2[4:]+L3+head
-[14, 15]
+>>> chain = cifar_resnet_blocks(depth=8, width=4)  # stem, 3 blocks, head
+>>> [len(s.layers) for s in chain.stages(2, split="balanced")]
+[2, 3]
 """
 
 from __future__ import annotations

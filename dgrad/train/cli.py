@@ -26,7 +26,7 @@ import contextlib
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 from dgrad.train import config as fields
 from dgrad.train.signals import Stopped, StopRequests
@@ -100,46 +100,16 @@ def load_config(spec: str):
         raise UsageError(f"--config {error}") from None
 
 
-def _parse_value(name: str, text: str, default: Any, kind: type | None) -> Any:
-    expected = kind if default is None else type(default)
-    try:
-        if default is None and text.lower() in ("none", ""):
-            return None
-        if expected is bool:
-            lowered = text.lower()
-            if lowered not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(text)
-            return lowered in ("true", "1", "yes")
-        if expected is tuple:
-            items = [t.strip() for t in text.strip("()[]").split(",") if t.strip()]
-            return tuple(int(t) if t.lstrip("-").isdigit() else float(t) for t in items)
-        return expected(text)
-    except ValueError:
-        raise UsageError(
-            f"--config.{name}={text}: expected {expected.__name__}"
-            + (" values separated by commas" if expected is tuple else "")
-        ) from None
-
-
 def apply_overrides(config, overrides: Sequence[str]) -> None:
     """Sets `--config.<field>=<value>` overrides on `config`."""
-    by_name = {f.name: f for f in fields.FIELDS}
     for override in overrides:
         name, equals, text = override[len("--config.") :].partition("=")
         if not equals:
             raise UsageError(f"{override}: give a value, as in --config.{name}=VALUE")
-        if name not in by_name:
-            near = fields.nearest_field(name)
-            raise UsageError(
-                f"--config.{name} is not a config field"
-                + (f"; did you mean --config.{near}?" if near else "; --help lists them")
-            )
-        field = by_name[name]
-        *parents, leaf = name.split(".")
-        node = config
-        for parent in parents:
-            node = node[parent]
-        node[leaf] = _parse_value(name, text, field.default, field.kind)
+        try:
+            fields.set_field(config, name, fields.parse_value(name, text))
+        except ValueError as error:
+            raise UsageError(f"--config.{error}") from None
 
 
 def parse(argv: Sequence[str], default_config: str | None = None):

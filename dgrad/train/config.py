@@ -206,6 +206,45 @@ def nearest_field(name: str) -> str | None:
     return match[0] if match else None
 
 
+def parse_value(name: str, text: str) -> Any:
+    """Field `name`'s value written as `text` on a command line (ValueError saying what
+    the field takes, or the nearest field's name)."""
+    by_name = {f.name: f for f in FIELDS}
+    if name not in by_name:
+        near = nearest_field(name)
+        raise ValueError(
+            f"{name} is not a config field"
+            + (f"; did you mean --config.{near}?" if near else "; --help lists them")
+        )
+    field = by_name[name]
+    expected = field.kind if field.default is None else type(field.default)
+    try:
+        if field.default is None and text.lower() in ("none", ""):
+            return None
+        if expected is bool:
+            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1", "yes")
+        if expected is tuple:
+            items = [t.strip() for t in text.strip("()[]").split(",") if t.strip()]
+            return tuple(int(t) if t.lstrip("-").isdigit() else float(t) for t in items)
+        return expected(text)
+    except ValueError:
+        raise ValueError(
+            f"{name}={text}: expected {expected.__name__}"
+            + (" values separated by commas" if expected is tuple else "")
+        ) from None
+
+
+def set_field(config: ml_collections.ConfigDict, name: str, value) -> None:
+    """Sets the field of dotted `name` (`optimizer.learning_rate`) to `value`."""
+    *parents, leaf = name.split(".")
+    node = config
+    for parent in parents:
+        node = node[parent]
+    node[leaf] = value
+
+
 def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
     """Fields by dotted name."""
     out = {}

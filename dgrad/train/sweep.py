@@ -1,0 +1,325 @@
+"""Sweeps: every combination of a grid of config fields, with seeds, into paper-style tables.
+
+`Sweep(config_spec, grid, workdir)` expands a grid such as
+`method=bp,ddg,fdg num_stages=2,4,8 beta=1,0.5 seed=0,1,2` into runs, skips
+combinations the config refuses (with the reason), and runs each as
+`python -m experiments.train` in `workdir/runs/<name>`, one after another or
+several at once. A run that finished is not run again and an interrupted one
+resumes from its checkpoint (the training command's own rules). `summarise`
+then writes `results.csv` (one row per run), `results.md` (median and min-max
+over seeds per setting, methods as rows and K as columns, as the papers' tables)
+and `results.png`. The workdir remembers its sweep (`sweep.json`): another
+sweep there is refused.
+
+>>> grid = parse_grid("method=bp,fdg num_stages=2,4 beta=1,0.5 seed=0")
+>>> grid["num_stages"], grid["beta"]
+([2, 4], [1.0, 0.5])
+>>> runs, skipped = expand(fields.base(), grid)
+>>> len(runs), skipped[0].split(":")[0]
+(6, 'method=bp num_stages=2 beta=0.5 seed=0')
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from dgrad.train import config as fields
+from dgrad.train import metrics
+
+SWEEP_FILE = "sweep.json"
+
+
+class SweepError(ValueError):
+    """A grid or workdir that cannot be swept; the message says what to do."""
+
+
+def parse_grid(text: str) -> dict[str, list[Any]]:
+    """`field=v1,v2 other=w1` into `{field: [v1, v2], other: [w1]}`, each value typed as
+    its field (SweepError naming the field otherwise)."""
+    grid: dict[str, list[Any]] = {}
+    for item in text.split():
+        name, equals, values = item.partition("=")
+        if not equals or not values:
+            raise SweepError(f"--grid item {item!r}: write field=value1,value2")
+        if name in grid:
+            raise SweepError(f"--grid names {name} twice; give its values once, with commas")
+        try:
+            grid[name] = [fields.parse_value(name, v) for v in values.split(",")]
+        except ValueError as error:
+            raise SweepError(f"--grid {error}") from None
+    if not grid:
+        raise SweepError("--grid is empty; give at least one field=value1,value2")
+    return grid
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One combination of the grid."""
+
+    settings: tuple[tuple[str, Any], ...]
+
+    @property
+    def name(self) -> str:
+        return "_".join(f"{k.replace('.', '-')}-{v}" for k, v in self.settings)
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.settings)
+
+    def overrides(self) -> list[str]:
+        def text(value):
+            return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+        return [f"--config.{k}={text(v)}" for k, v in self.settings]
+
+
+def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
+    """The runs of every valid combination, and a note for each combination skipped."""
+    names = list(grid)
+    runs, skipped = [], []
+    for values in itertools.product(*(grid[n] for n in names)):
+        run = Run(tuple(zip(names, values)))
+        config = base.copy_and_resolve_references()
+        for name, value in run.settings:
+            fields.set_field(config, name, value)
+        try:
+            fields.check(config)
+        except ValueError as error:
+            skipped.append(f"{run.describe()}: {str(error).removeprefix('config: ')}")
+            continue
+        runs.append(run)
+    return runs, skipped
+
+
+class Sweep:
+    """The runs of `grid` over the config `config_spec` (`FILE[:variant]`) in `workdir`.
+
+    Args:
+      config_spec: the config file (and variant) every run starts from.
+      grid: parsed by `parse_grid`.
+      workdir: where `sweep.json`, `runs/` and the results go.
+      overrides: `--config.<field>=<value>` applied to every run.
+    """
+
+    def __init__(self, config_spec: str, grid, workdir, overrides: Sequence[str] = ()):
+        self.config_spec, self.grid, self.overrides = config_spec, grid, list(overrides)
+        self.workdir = os.path.abspath(os.fspath(workdir))
+        base, self.config_name = fields.load(config_spec)
+        for override in self.overrides:
+            name, _, text = override.removeprefix("--config.").partition("=")
+            fields.set_field(base, name, fields.parse_value(name, text))
+        self.base = base
+        self.runs, self.skipped = expand(base, grid)
+        if not self.runs:
+            raise SweepError("the grid has no valid combination: " + "; ".join(self.skipped))
+
+    def identity(self) -> dict[str, Any]:
+        grid = {
+            k: [list(v) if isinstance(v, tuple) else v for v in vs] for k, vs in self.grid.items()
+        }
+        return {"config": self.config_spec, "overrides": self.overrides, "grid": grid}
+
+    def claim(self) -> None:
+        """Makes the workdir this sweep's, or refuses one that holds another sweep."""
+        path = os.path.join(self.workdir, SWEEP_FILE)
+        if os.path.exists(path):
+            with open(path) as f:
+                held = json.load(f)
+            if held != self.identity():
+                raise SweepError(
+                    f"{self.workdir} holds another sweep ({held['config']}, grid "
+                    f"{held['grid']}); use a new --workdir, or the same config and grid to "
+                    "resume it."
+                )
+            return
+        if os.path.isdir(self.workdir) and os.listdir(self.workdir):
+            raise SweepError(f"{self.workdir} holds files but no {SWEEP_FILE}; use a new --workdir")
+        os.makedirs(self.workdir, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.identity(), f, indent=2)
+
+    def run_dir(self, run: Run) -> str:
+        return os.path.join(self.workdir, "runs", run.name)
+
+    def command(self, run: Run) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "experiments.train",
+            f"--config={self.config_spec}",
+            *self.overrides,
+            *run.overrides(),
+            f"--workdir={self.run_dir(run)}",
+        ]
+
+    def execute(self, parallel: int = 1, log=print, cwd: str | None = None) -> int:
+        """Runs every run not finished yet, `parallel` at a time; returns the number that
+        failed. SIGINT/SIGTERM stop the runs (each saves its checkpoint) and the sweep."""
+        pending = list(self.runs)
+        running: list[tuple[Run, subprocess.Popen, Any]] = []
+        failed, stopped = 0, []
+        previous = {
+            n: signal.signal(n, lambda n, f: stopped.append(n))
+            for n in (signal.SIGINT, signal.SIGTERM)
+        }
+        os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
+        try:
+            while pending or running:
+                while pending and len(running) < parallel and not stopped:
+                    run = pending.pop(0)
+                    out = open(os.path.join(self.workdir, "logs", f"{run.name}.log"), "a")
+                    child = subprocess.Popen(
+                        self.command(run), stdout=out, stderr=subprocess.STDOUT, cwd=cwd
+                    )
+                    running.append((run, child, out))
+                    log(f"started  {run.describe()}")
+                if stopped:
+                    for _, child, _ in running:
+                        if child.poll() is None:
+                            child.send_signal(stopped[0])
+                    pending.clear()
+                for entry in list(running):
+                    run, child, out = entry
+                    if child.poll() is None:
+                        continue
+                    out.close()
+                    running.remove(entry)
+                    if child.returncode == 0:
+                        log(f"finished {run.describe()}")
+                    else:
+                        failed += 1
+                        log(
+                            f"failed   {run.describe()} (status {child.returncode}; see "
+                            f"{self.workdir}/logs/{run.name}.log)"
+                        )
+                time.sleep(0.2)
+        finally:
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+        if stopped:
+            raise KeyboardInterrupt(stopped[0])
+        return failed
+
+    def results(self) -> list[dict[str, Any]]:
+        """One row per run that has evaluated at least once."""
+        rows = []
+        for run in self.runs:
+            run_dir = self.run_dir(run)
+            labels = (
+                [d for d in sorted(os.listdir(run_dir)) if d != "bp_fused"]
+                if os.path.isdir(run_dir)
+                else []
+            )
+            epochs = []
+            for label in labels:
+                epochs = metrics.read(os.path.join(run_dir, label, "metrics.jsonl"), "epoch")
+                if epochs:
+                    break
+            if not epochs:
+                continue
+            seconds = sum(r["seconds"] for r in epochs)
+            config = self.base.copy_and_resolve_references()
+            for name, value in run.settings:
+                fields.set_field(config, name, value)
+            steps = epochs[-1]["step"]
+            rows.append(
+                {
+                    **dict(run.settings),
+                    "epochs": epochs[-1]["epoch"],
+                    "final_test_accuracy": epochs[-1]["test_accuracy"],
+                    "best_test_accuracy": max(r["test_accuracy"] for r in epochs),
+                    "final_train_loss": epochs[-1].get("train_loss", math.nan),
+                    "samples_per_second": steps * config.batch_size / seconds,
+                    "wall_seconds": seconds,
+                }
+            )
+        return rows
+
+    def summarise(self) -> dict[str, str]:
+        """Writes results.csv, results.md and results.png; returns their paths."""
+        rows = self.results()
+        if not rows:
+            raise SweepError(f"no run in {self.workdir} has evaluated yet")
+        paths = {
+            kind: os.path.join(self.workdir, f"results.{kind}") for kind in ("csv", "md", "png")
+        }
+        with open(paths["csv"], "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        table, groups = _table(rows, list(self.grid))
+        with open(paths["md"], "w") as f:
+            f.write(table)
+        _plot(groups, list(self.grid), paths["png"], f"{self.config_name}: {self.base.dataset}")
+        return paths
+
+
+def _table(rows, names) -> tuple[str, dict]:
+    """Median [min-max] of the final test accuracy (%) over seeds: a row per setting of the
+    other fields, a column per K."""
+    column = "num_stages" if "num_stages" in names else None
+    row_fields = [n for n in names if n not in ("seed", column)]
+    groups: dict[tuple, dict[Any, list[float]]] = {}
+    for row in rows:
+        key = tuple(row[n] for n in row_fields)
+        groups.setdefault(key, {}).setdefault(row.get(column), []).append(
+            100 * row["final_test_accuracy"]
+        )
+    columns = sorted({c for cells in groups.values() for c in cells}, key=lambda c: (c is None, c))
+    heading = " | ".join(row_fields) or "setting"
+    lines = [
+        f"| {heading} | "
+        + " | ".join("test accuracy %" if c is None else f"K={c}" for c in columns)
+        + " |",
+        "|" + "---|" * (max(len(row_fields), 1) + len(columns)),
+    ]
+    for key, cells in sorted(groups.items(), key=lambda item: str(item[0])):
+        label = " | ".join(str(v) for v in key) or "all"
+        entries = []
+        for c in columns:
+            values = cells.get(c)
+            if not values:
+                entries.append("")
+                continue
+            entries.append(
+                f"{np.median(values):.2f} [{min(values):.2f}-{max(values):.2f}] (n={len(values)})"
+            )
+        lines.append(f"| {label} | " + " | ".join(entries) + " |")
+    note = (
+        "\nFinal test accuracy in %: median [min-max] over seeds (n runs) per setting."
+        + ("" if column is None else " Columns: K stages.")
+        + "\n"
+    )
+    return "\n".join(lines) + "\n" + note, groups
+
+
+def _plot(groups, names, path, title) -> None:
+    from matplotlib.figure import Figure
+
+    row_fields = [n for n in names if n not in ("seed", "num_stages")]
+    figure = Figure(figsize=(7, 4.5))
+    axes = figure.subplots()
+    for key, cells in sorted(groups.items(), key=lambda item: str(item[0])):
+        xs = sorted(c for c in cells if c is not None) or [None]
+        medians = [np.median(cells[x]) for x in xs]
+        low = [np.median(cells[x]) - min(cells[x]) for x in xs]
+        high = [max(cells[x]) - np.median(cells[x]) for x in xs]
+        positions = [x if x is not None else 1 for x in xs]
+        label = ", ".join(f"{n}={v}" for n, v in zip(row_fields, key)) or "all"
+        axes.errorbar(positions, medians, yerr=[low, high], marker="o", capsize=3, label=label)
+    axes.set(xlabel="K (stages)", ylabel="final test accuracy % (median, min-max)", title=title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
