@@ -53,6 +53,11 @@ def initialize(
     if cpu_devices:
         jax.config.update("jax_num_cpu_devices", int(cpu_devices))
     if coordinator is None and not auto:
+        if num_processes is not None or process_id is not None:
+            raise ValueError(
+                "--num_processes and --process_id need --coordinator HOST:PORT (process 0's "
+                "address) too, or --distributed on a cluster that JAX recognises."
+            )
         return
     if coordinator is not None and (num_processes is None or process_id is None):
         raise ValueError(
@@ -60,7 +65,67 @@ def initialize(
             "on a cluster that JAX recognises)."
         )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    handler = signal.getsignal(signal.SIGTERM)
     jax.distributed.initialize(coordinator, num_processes, process_id)
+    if callable(handler):  # JAX's preemption notifier took SIGTERM over: give it back
+        signal.signal(signal.SIGTERM, handler)
+
+
+def _terminate_with_parent() -> None:
+    """(In the child, before it runs.) Linux sends it SIGTERM when its parent dies."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# How runs started on this machine are started: in a session of their own, so that a
+# Ctrl-C reaches them once (forwarded by the starter, not also from the terminal); on
+# Linux, stopped (with a checkpoint) when the starter dies.
+CHILD_OPTIONS = {
+    "start_new_session": True,
+    **({"preexec_fn": _terminate_with_parent} if sys.platform == "linux" else {}),
+}
+
+
+class StopVote:
+    """Agrees between the processes of a run whether to stop.
+
+    Every process calls `any` at the same points of its loop with its own wish
+    (a signal it caught), and all get the same answer: whether any of them wished
+    to stop. The wishes go through the `jax.distributed` key-value store, so the
+    host waits for the other processes' hosts, not for any device.
+
+    >>> StopVote("run").any(False)  # one process: its own wish
+    False
+    """
+
+    _opened = 0  # votes opened in this process; every process opens them in the same order
+
+    def __init__(self, name: str, timeout_s: float = 3600.0):
+        StopVote._opened += 1
+        self.prefix = f"dgrad/stop/{name}/{StopVote._opened}"
+        self.round = 0
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def any(self, wish: bool) -> bool:
+        import jax
+
+        if jax.process_count() == 1:
+            return wish
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        me = jax.process_index()
+        client.key_value_set(f"{self.prefix}/{self.round}/{me}", "1" if wish else "0")
+        wishes = [
+            client.blocking_key_value_get(f"{self.prefix}/{self.round}/{p}", self.timeout_ms)
+            for p in range(jax.process_count())
+        ]
+        if self.round:  # every process has read the previous round before writing this one
+            client.key_value_delete(f"{self.prefix}/{self.round - 1}/{me}")
+        self.round += 1
+        return "1" in wishes
 
 
 def _relay(stream, prefix: str, out) -> None:
@@ -101,13 +166,17 @@ def launch_local(
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            **CHILD_OPTIONS,
         )
         children.append(child)
         relay = threading.Thread(target=_relay, args=(child.stdout, f"[{index}] ", out))
         relay.start()
         relays.append(relay)
 
+    forwarded = []
+
     def forward(number, frame):
+        forwarded.append(number)
         for child in children:
             if child.poll() is None:
                 child.send_signal(number)
@@ -120,7 +189,7 @@ def launch_local(
     try:
         while any(child.poll() is None for child in children):
             failed = [c for c in children if c.poll() not in (None, 0)]
-            if failed:
+            if failed and not forwarded:  # (when stopping, each process saves, then exits)
                 status = failed[0].returncode
                 out.write(
                     f"process {children.index(failed[0])} exited with status {status}; "

@@ -33,7 +33,7 @@ import optax
 from flax import nnx, struct
 
 from dgrad import losses
-from dgrad.optim import shrink
+from dgrad.optim import accumulate, shrink
 from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.optim.prediction import momentum_of
 from dgrad.options import Options
@@ -205,9 +205,8 @@ class Pipeline:
         if self.options.shrinks:
             tx = optax.chain(shrink(self.options.beta, self.schedule.shrink_depth(k)), tx)
         every = self.options.accumulate
-        if every > 1:  # ADL: the sum of `every` gradients, one step (as the authors' code)
-            tx = optax.MultiSteps(optax.chain(optax.scale(every), tx), every_k_schedule=every)
-            tx = tx.gradient_transformation()
+        if every > 1:
+            tx = accumulate(tx, every, total=True)
         return tx
 
     method = property(lambda self: self.options.method)

@@ -75,7 +75,7 @@ def _groups(num_stages, devices, placement, data_parallel, fused):
                 f"data_parallel={replicas} needs {replicas} devices, got {count}. "
                 f"{FAKE_DEVICES_HINT}"
             )
-        return (tuple(devices[:replicas]),) * num_stages, replicas
+        return (tuple(_one_per_process_in_turn(devices)[:replicas]),) * num_stages, replicas
     if replicas == 1 and placement == "spread":
         used = min(count, num_stages)
         return tuple((devices[k * used // num_stages],) for k in range(num_stages)), 1
@@ -92,6 +92,17 @@ def _groups(num_stages, devices, placement, data_parallel, fused):
     else:
         groups = [tuple(devices[k * replicas : (k + 1) * replicas]) for k in range(num_stages)]
     return tuple(groups), replicas
+
+
+def _one_per_process_in_turn(devices):
+    """The devices reordered to take one from each process in turn (unchanged on one
+    process), so that a group of the first n spans as many processes as it can."""
+    seen: dict[int, int] = {}
+    ranks = []
+    for device in devices:
+        seen[device.process_index] = seen.get(device.process_index, -1) + 1
+        ranks.append(seen[device.process_index])
+    return [device for _, device in sorted(zip(ranks, devices), key=lambda pair: pair[0])]
 
 
 def _explicit_groups(num_stages, devices, placement, data_parallel):

@@ -36,6 +36,10 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 - DGL: every stage but the last trains on the loss of its own auxiliary head;
   nothing crosses a stage boundary backwards, so stage k takes batch t-k as in
   FDG and applies its gradient at once.
+- ADL (`accumulate=M`, with fdg) keeps the FDG timetable; each stage sums M
+  gradients and updates once every M iterations, so a gradient is still
+  2(K-1-k) iterations old when applied but only about (2(K-1-k)-1)/M updates
+  old (rounded up or down by where its batch falls in the window of M).
 - Weight staleness counts the updates between a batch's forward and the update
   that applies its gradient, which is what a single-device staleness
   simulation must use.

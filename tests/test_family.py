@@ -114,20 +114,48 @@ def test_dgl_export_drops_the_heads(tmp_path):
     assert_equal(loaded(data[0][0]), model(data[0][0]))
 
 
-@pytest.mark.parametrize("method", ["fdg", pytest.param("ddg", marks=pytest.mark.slow)])
-def test_adl_sums_every_m_gradients_and_matches_the_reference(method):
-    """accumulate=M: each stage sums M gradients and steps once (the ADL authors' code);
-    the reference runs the same maths through optax.MultiSteps."""
-    every, K = 2, 3
+def summing(inner: optax.GradientTransformation, every: int) -> optax.GradientTransformation:
+    """ADL's accumulation written plainly: add up the gradients; at every `every`-th,
+    step `inner` with the sum and start again; make no update in between."""
 
-    def summed(k):
-        inner = optax.chain(optax.scale(every), optimizer(k))
-        return optax.MultiSteps(inner, every_k_schedule=every).gradient_transformation()
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params), 0, inner.init(params)
 
-    data = batches("mlp", 4 * K)
-    ref = reference_run(build_stages("mlp", K), data, method=method, optimizer=summed)
+    def update(grads, state, params=None, **extra):
+        total, count, inner_state = state
+        total, count = jax.tree.map(jnp.add, total, grads), count + 1
+        if count < every:
+            return jax.tree.map(jnp.zeros_like, grads), (total, count, inner_state)
+        updates, inner_state = inner.update(total, inner_state, params)
+        return updates, (jax.tree.map(jnp.zeros_like, total), 0, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize(
+    "method, K, layout",
+    [
+        ("fdg", 3, "spread"),
+        *[
+            pytest.param("fdg", k, layout, marks=pytest.mark.slow)
+            for k in (1, 2, 3, 4)
+            for layout in ("one", "spread")
+            if (k, layout) != (3, "spread")
+        ],
+        pytest.param("ddg", 3, "spread", marks=pytest.mark.slow),
+    ],
+)
+def test_adl_sums_every_m_gradients_and_matches_the_reference(method, K, layout):
+    """accumulate=M: each stage sums M gradients and steps once (the ADL authors' code),
+    against the reference with the sum written out, on one device and on K."""
+    every = 2
+    data = batches("mlp", 4 * K + 2)
+    ref = reference_run(
+        build_stages("mlp", K), data, method=method, optimizer=lambda k: summing(optimizer(k), 2)
+    )
+    devices = jax.devices()[:1] if layout == "one" else jax.devices()[:K]
     _, state, history = run_pipeline(
-        "mlp", K, data=data, method=method, accumulate=every, devices=jax.devices()[:K]
+        "mlp", K, data=data, method=method, accumulate=every, devices=devices
     )
     assert_matches_reference(state, history, ref)
     plain = reference_run(build_stages("mlp", K), data, method=method, optimizer=optimizer)

@@ -7,7 +7,12 @@ data stream's per-process rows, and 2 processes x 2 fake devices under jax.distr
 """
 
 import os
+import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -24,6 +29,7 @@ from helpers import (
 import dgrad
 from dgrad import data
 from dgrad.distributed import launch_local
+from dgrad.train import metrics
 from dgrad.train.checkpoint import Checkpointer
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
@@ -174,34 +180,94 @@ def test_a_process_that_dies_takes_the_others_down(tmp_path):
     assert "exited with status" in log.text or "KeyError" in log.text
 
 
+LAUNCH = [sys.executable, "-m", "experiments.launch", "--processes=2", "--cpu_devices=2", "--"]
+TRAIN = [sys.executable, "-m", "experiments.train"]
+TINY = [
+    "--config=experiments/configs/default.py:smoke",  # FDG K=2 and the fused BP baseline
+    "--config.model.name=mlp",
+    "--config.steps_per_epoch=6",
+    "--config.log_every_steps=3",
+]
+TWO = ["--config.data_parallel=2", "--config.placement=interleaved"]  # the README's layout
+
+
+def _epochs(workdir):
+    return {
+        label: [
+            [r[k] for k in ("train_loss", "test_loss", "test_accuracy")]
+            for r in metrics.read(workdir / label / "metrics.jsonl", "epoch")
+        ]
+        for label in ("bp_fused", "fdg_k2")
+    }
+
+
 @pytest.mark.slow
 def test_the_command_line_on_two_processes(tmp_path):
-    """`experiments.launch`: both processes train, process 0 alone writes the metrics,
-    and the run resumes on one process with D = 1 (within float tolerance)."""
-    workdir = tmp_path / "run"
-    common = [
-        "--config=experiments/configs/default.py:smoke",
-        "--config.model.name=mlp",
-        "--config.baseline=",
-        "--config.num_stages=2",
-        "--config.steps_per_epoch=6",
-        "--config.log_every_steps=3",
-        f"--workdir={workdir}",
-    ]
-    launch = [sys.executable, "-m", "experiments.launch", "--processes=2", "--cpu_devices=2"]
+    """The README's command: both processes train (the fused BP baseline data parallel
+    across them); process 0 alone writes the metrics; a run moves from 2 processes (D = 2)
+    to 1 (D = 1) and from 1 to 2 with the same numbers (within float tolerance)."""
+    there, back = tmp_path / "there", tmp_path / "back"
     _, output = run_command(
-        launch + ["--", *common, "--config.num_epochs=1", "--config.data_parallel=2"],
-        timeout=300,
-        cwd=ROOT,
+        LAUNCH + TINY + TWO + ["--config.num_epochs=1", f"--workdir={there}"], 300, cwd=ROOT
     )
-    assert (
-        "[0] [process 0] fdg_k2 step 6/6" in output and "[1] [process 1] fdg_k2 step 6/6" in output
-    )
-    lines = (workdir / "fdg_k2" / "metrics.jsonl").read_text().splitlines()
-    assert len([line for line in lines if '"epoch"' in line]) == 1
+    assert "[0] [process 0] fdg_k2 step 6/6" in output, output[-3000:]
+    assert "[1] [process 1] fdg_k2 step 6/6" in output, output[-3000:]
+    assert "[1] [process 1] bp_fused step 6/6" in output, output[-3000:]
     _, output = run_command(
-        [sys.executable, "-m", "experiments.train", *common, "--config.num_epochs=2", "--extend"],
-        timeout=300,
-        cwd=ROOT,
+        TRAIN + TINY + ["--config.num_epochs=2", "--extend", f"--workdir={there}"], 300, cwd=ROOT
     )
     assert "resumed from the checkpoint at step 6" in output
+    run_command(TRAIN + TINY + ["--config.num_epochs=1", f"--workdir={back}"], 300, cwd=ROOT)
+    run_command(
+        LAUNCH + TINY + TWO + ["--config.num_epochs=2", "--extend", f"--workdir={back}"],
+        300,
+        cwd=ROOT,
+    )
+    there_epochs, back_epochs = _epochs(there), _epochs(back)
+    assert [len(e) for e in there_epochs.values()] == [2, 2]
+    for label in there_epochs:
+        np.testing.assert_allclose(there_epochs[label], back_epochs[label], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_a_stop_on_two_processes_saves_the_same_step_on_both(tmp_path):
+    """SIGTERM to the launcher: it reaches each process once, they agree on the step to
+    stop at, save it and exit 143; the run resumes from that step."""
+    workdir = tmp_path / "run"
+    args = TINY + TWO + ["--config.baseline=", "--config.num_epochs=40", f"--workdir={workdir}"]
+    launcher = subprocess.Popen(
+        LAUNCH + args,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 240
+    while launcher.poll() is None and time.monotonic() < deadline:
+        if any("[process 1] fdg_k2 step" in line for line in lines):
+            break
+        time.sleep(0.05)
+    launcher.send_signal(signal.SIGTERM)
+    try:
+        launcher.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        reader.join(timeout=10)
+        raise AssertionError("the launcher did not stop:\n" + "".join(lines)[-4000:]) from None
+    reader.join(timeout=30)
+    output = "".join(lines)
+    assert launcher.returncode == 128 + signal.SIGTERM, output[-4000:]
+    stopped = sorted(set(re.findall(r"\[(\d)\] Stopped at step (\d+)", output)))
+    assert len(stopped) == 2 and stopped[0][1] == stopped[1][1], output[-4000:]
+    step = stopped[0][1]
+    assert "Traceback" not in output
+    _, output = run_command(
+        TRAIN + TINY + ["--config.baseline=", "--config.num_epochs=40", f"--workdir={workdir}"],
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert f"resumed from the checkpoint at step {step} " in output

@@ -1,7 +1,11 @@
 """Sweeps: the grid's errors, the workdir's rule, and a tiny sweep end to end."""
 
 import csv
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 from helpers import ROOT, run_command
@@ -70,3 +74,45 @@ def test_a_tiny_sweep_runs_resumes_and_tabulates(tmp_path):
     logs = "".join(p.read_text() for p in (tmp_path / "logs").iterdir())
     assert logs.count("finished earlier: nothing left to train") == 6
     assert again.count("finished ") == 6
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_runs_with_a_checkpoint_and_the_sweep_resumes(tmp_path):
+    """One SIGINT to the sweep reaches each run once: the run saves and stops (not
+    'asked twice'), the sweep exits 130, and the same command resumes the run."""
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.sweep",
+        f"--config={CONFIG}:smoke",
+        "--grid=method=fdg num_stages=2 seed=0",
+        f"--workdir={tmp_path}",
+        "--config.num_epochs=200",
+        "--config.log_every_steps=5",
+    ]
+    sweep = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    log = tmp_path / "logs" / "method-fdg_num_stages-2_seed-0.log"
+    deadline = time.monotonic() + 240
+    while sweep.poll() is None and time.monotonic() < deadline:
+        if log.exists() and " step " in log.read_text():
+            break
+        time.sleep(0.05)
+    sweep.send_signal(signal.SIGINT)
+    try:
+        output, _ = sweep.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(sweep.pid, signal.SIGKILL)
+        raise AssertionError(f"the sweep did not stop:\n{sweep.communicate()[0]}") from None
+    assert sweep.returncode == 128 + signal.SIGINT, output
+    text = log.read_text()
+    assert "asked twice" not in text and "Stopped at step " in text, text[-3000:]
+    step = text.split("Stopped at step ")[1].split()[0]
+    run_dir = next((tmp_path / "runs").iterdir()) / "fdg_k2"
+    assert step in [p.name for p in (run_dir / "checkpoints").iterdir()]

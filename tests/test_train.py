@@ -162,7 +162,25 @@ def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
     ]
     assert json.loads((tmp_path / "short" / "config.json").read_text())["num_epochs"] == 2
     with pytest.raises(SetupError, match="above the 2"):
-        train(small_config(num_epochs=2), tmp_path / "short", extend=True, log=quiet)
+        train(small_config(num_epochs=1), tmp_path / "short", extend=True, log=quiet)
+
+
+def test_an_extension_that_was_stopped_resumes(tmp_path):
+    train(small_config(num_epochs=1), tmp_path, log=quiet)
+    stop = StopRequests()
+    with pytest.raises(Stopped) as stopped:  # asked to stop as soon as the extension starts
+        train(
+            small_config(num_epochs=3),
+            tmp_path,
+            extend=True,
+            stop=stop,
+            log=lambda _: stop.request(),
+        )
+    assert stopped.value.checkpoint_step == 9
+    train(small_config(num_epochs=3), tmp_path, extend=True, log=quiet)  # the same command
+    epochs = metrics.read(tmp_path / "fdg_k2" / "metrics.jsonl", "epoch")
+    assert [r["epoch"] for r in epochs] == [1, 2, 3]
+    train(small_config(num_epochs=3), tmp_path, log=quiet)  # and without --extend: finished
 
 
 @pytest.mark.parametrize(

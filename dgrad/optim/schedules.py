@@ -50,11 +50,15 @@ def pipemare_rescale(tau: int, horizon: int) -> optax.GradientTransformation:
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def accumulate(inner: optax.GradientTransformation, every: int) -> optax.GradientTransformation:
-    """Averages `every` gradients before each step of `inner` (`optax.MultiSteps`).
+def accumulate(
+    inner: optax.GradientTransformation, every: int, *, total: bool = False
+) -> optax.GradientTransformation:
+    """Averages (or with `total=True` sums, as the ADL authors' code) `every` gradients
+    before each step of `inner` (`optax.MultiSteps`).
 
     Fewer, larger steps shrink the staleness measured in updates (ADL's remedy);
-    between steps the updates are zero.
+    between steps the updates are zero. `Pipeline(accumulate=M)` is this with
+    `total=True` in every stage.
 
     >>> import jax.numpy as jnp, optax
     >>> tx = accumulate(optax.sgd(1.0), every=2)
@@ -62,9 +66,11 @@ def accumulate(inner: optax.GradientTransformation, every: int) -> optax.Gradien
     >>> for g in (1.0, 3.0):
     ...     updates, state = tx.update(jnp.array([g]), state, jnp.zeros(1))
     ...     steps.append(abs(float(updates[0])))
-    >>> steps  # nothing, then the mean of the two
+    >>> steps  # nothing, then the mean of the two (with total=True: their sum, 4.0)
     [0.0, 2.0]
     """
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"every must be a positive integer, got {every!r}.")
+    if total:
+        inner = optax.chain(optax.scale(every), inner)
     return optax.MultiSteps(inner, every_k_schedule=every).gradient_transformation()

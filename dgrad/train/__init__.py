@@ -183,9 +183,14 @@ def train(
                     stop=stop,
                     extends_from=plan.extends_from,
                 )
-                results[run.title] = loop.train_run(config, ctx)
+                try:
+                    results[run.title] = loop.train_run(config, ctx)
+                except workdir.WorkdirError as error:
+                    raise SetupError(str(error)) from error
                 if jax.process_index() == 0:
                     _plot(plan.path, runs, config, name or os.path.basename(plan.path))
+            if stop.requested is not None:
+                raise Stopped(stop.requested, "Stopped after the last run had finished and saved.")
         except BaseException:
             if jax.process_index() == 0:
                 workdir.take_back(plan, [r.label for r in runs])

@@ -33,12 +33,9 @@ def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
 
 
 def steps_per_epoch(config: ml_collections.ConfigDict, dataset: data.Dataset) -> int:
-    full = len(dataset.train) // config.batch_size
-    if full == 0:
-        raise ValueError(
-            f"config.batch_size = {config.batch_size} exceeds the {len(dataset.train)} training "
-            "examples; use a smaller batch."
-        )
+    full = data.Stream(  # (it checks the batch size)
+        dataset.train, config.batch_size, transform=None, seed=0
+    ).steps_per_epoch
     return min(full, config.steps_per_epoch) if config.steps_per_epoch > 0 else full
 
 
@@ -152,7 +149,8 @@ def build_pipeline(
     steps_per_epoch: int,
     devices,
 ) -> Pipeline:
-    """The run's pipeline on `devices` (the fused baseline uses the first D of them)."""
+    """The run's pipeline on `devices` (the fused baseline uses D of them, one from each
+    process in turn)."""
     stages = build_stages(config, run.num_stages, dataset)
     if run.method == "dgl":
         example = np.zeros((1, *dataset.input_shape), np.float32)
@@ -173,10 +171,5 @@ def build_pipeline(
         devices=devices,
         placement="spread" if run.fused else config.placement,
     )
-    replicas = pipe.placement.data_parallel
-    if config.batch_size % replicas:
-        raise ValueError(
-            f"config.batch_size = {config.batch_size} does not split between the {replicas} "
-            f"data-parallel replicas; use a multiple of {replicas}."
-        )
+    pipe.placement.check_batch_size(config.batch_size)
     return pipe

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import signal
 import time
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ import jax
 import ml_collections
 
 from dgrad import data
+from dgrad.distributed import StopVote
 from dgrad.pipeline import Pipeline, PipelineState
 from dgrad.placement import share
 from dgrad.train import config as fields
@@ -28,6 +30,7 @@ from dgrad.train.config import Run
 from dgrad.train.evaluate import Limited, evaluate
 from dgrad.train.progress import Progress
 from dgrad.train.signals import Stopped, StopRequests
+from dgrad.train.workdir import WorkdirError
 
 
 class Tally:
@@ -77,7 +80,9 @@ def write_probe(writer, reported: dict[str, Any]) -> None:
         return
     for stage, values in reported["probe"].items():
         record = {name: float(value) for name, value in values.items()}
-        writer.write({"kind": "probe", "step": reported["probe_step"], "stage": stage, **record})
+        writer.write(  # step: the steps done, as in the other records
+            {"kind": "probe", "step": reported["probe_step"] + 1, "stage": stage, **record}
+        )
 
 
 @dataclasses.dataclass
@@ -107,10 +112,10 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
         return ctx.initial, Tally()
     extra = checkpoints.extra()
     changed = fields.differences(extra["config"], config)
-    if ctx.extends_from is not None and "num_epochs" in changed:
-        changed.remove("num_epochs")
+    if "num_epochs" in changed and config.num_epochs >= extra["config"]["num_epochs"]:
+        changed.remove("num_epochs")  # the workdir holds an extension (checked before)
     if changed:
-        raise ValueError(
+        raise WorkdirError(
             f"The checkpoint in {ctx.run_dir} was written with another configuration (it "
             f"differs in: {', '.join(changed)}); resume with the configuration it was "
             "written with, or use a new --workdir."
@@ -184,6 +189,9 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
             every=config.log_every_steps,
             label=label,
         )
+        # On several processes a stop is agreed at the next log, epoch or save step, so
+        # that all of them save the same step (`log_every_steps` bounds the wait).
+        vote, one_process = StopVote(ctx.run.label), jax.process_count() == 1
         last_loss, epoch_start = None, time.perf_counter()
         reported = None  # the last step's metrics, read after the next step is dispatched
         with progress:
@@ -200,8 +208,9 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                 save_due = epoch_end or (
                     config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
                 )
-                stopping = ctx.stop.requested is not None
-                if not (epoch_end or log_due or save_due or stopping):
+                due = epoch_end or log_due or save_due
+                stopping = (due or one_process) and vote.any(ctx.stop.requested is not None)
+                if not (due or stopping):
                     continue
                 tally.add(reported)
                 write_probe(writer, reported)
@@ -237,7 +246,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     if writer is not None:
                         writer.close()
                     raise Stopped(
-                        ctx.stop.requested,
+                        ctx.stop.requested or signal.SIGTERM,
                         f"Stopped at step {step} after saving a checkpoint of it.",
                         checkpoint_step=step,
                     )

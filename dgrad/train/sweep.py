@@ -35,6 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dgrad.distributed import CHILD_OPTIONS
 from dgrad.train import config as fields
 from dgrad.train import metrics
 
@@ -168,7 +169,7 @@ class Sweep:
         failed. SIGINT/SIGTERM stop the runs (each saves its checkpoint) and the sweep."""
         pending = list(self.runs)
         running: list[tuple[Run, subprocess.Popen, Any]] = []
-        failed, stopped = 0, []
+        failed, stopped, forwarded = 0, [], 0
         previous = {
             n: signal.signal(n, lambda n, f: stopped.append(n))
             for n in (signal.SIGINT, signal.SIGTERM)
@@ -180,14 +181,19 @@ class Sweep:
                     run = pending.pop(0)
                     out = open(os.path.join(self.workdir, "logs", f"{run.name}.log"), "a")
                     child = subprocess.Popen(
-                        self.command(run), stdout=out, stderr=subprocess.STDOUT, cwd=cwd
+                        self.command(run),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        cwd=cwd,
+                        **CHILD_OPTIONS,
                     )
                     running.append((run, child, out))
                     log(f"started  {run.describe()}")
-                if stopped:
+                while forwarded < len(stopped):  # each signal once (twice: stop at once)
                     for _, child, _ in running:
                         if child.poll() is None:
-                            child.send_signal(stopped[0])
+                            child.send_signal(stopped[forwarded])
+                    forwarded += 1
                     pending.clear()
                 for entry in list(running):
                     run, child, out = entry

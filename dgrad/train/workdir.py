@@ -78,12 +78,12 @@ def inspect(
     changed = fields.differences(saved, config)
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
     extends_from = None
-    if extend:
-        if "num_epochs" not in changed or new["num_epochs"] <= old["num_epochs"]:
-            raise WorkdirError(
-                f"--extend trains a finished experiment for more epochs: give "
-                f"--config.num_epochs above the {old['num_epochs']} it was trained for."
-            )
+    if extend and new["num_epochs"] < old["num_epochs"]:
+        raise WorkdirError(
+            f"--extend trains a finished experiment for more epochs: give "
+            f"--config.num_epochs above the {old['num_epochs']} it was trained for."
+        )
+    if extend and "num_epochs" in changed:  # (unchanged: an extension that was stopped resumes)
         changed.remove("num_epochs")
         extends_from = old["num_epochs"]
     if changed:
