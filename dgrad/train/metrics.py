@@ -65,7 +65,11 @@ class MetricWriter:
         if self._tensorboard is not None:
             suffix = f"_stage{record['stage']}" if "stage" in record else ""
             for name, value in record.items():
-                if name not in ("kind", "step", "stage") and isinstance(value, (int, float)):
+                if (
+                    name not in ("kind", "step", "stage")
+                    and isinstance(value, (int, float))
+                    and math.isfinite(value)  # (NaN: not defined, e.g. drift under current weights)
+                ):
                     tag = f"{record['kind']}/{name}{suffix}"
                     self._tensorboard.add_scalar(tag, value, record["step"])
 
