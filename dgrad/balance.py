@@ -64,13 +64,24 @@ def profile_blocks(
 
 
 def stage_costs(costs: Sequence[float], cuts: Sequence[int]) -> list[float]:
-    """The summed cost of each stage that `cuts` makes."""
+    """The summed cost of each stage that `cuts` makes.
+
+    >>> stage_costs([1.0, 1.0, 2.0, 4.0], cuts=[2, 3])
+    [2.0, 2.0, 4.0]
+    """
     bounds = [0, *check_cuts(cuts, len(costs)), len(costs)]
     return [float(sum(costs[a:b])) for a, b in zip(bounds, bounds[1:])]
 
 
 def speedup_ceiling(costs: Sequence[float], cuts: Sequence[int]) -> float:
-    """Total cost over the slowest stage's: the most a pipeline of these stages can gain."""
+    """Total cost over the slowest stage's: the most a pipeline of these stages can gain.
+
+    >>> speedup_ceiling([1.0, 1.0, 2.0, 4.0], cuts=[2, 3])  # 8 / 4
+    2.0
+    >>> costs = [1.0, 2.0, 3.0, 2.0]
+    >>> balanced_cuts(costs, 2), speedup_ceiling(costs, balanced_cuts(costs, 2))  # 8 / 5
+    ([2], 1.6)
+    """
     per_stage = stage_costs(costs, cuts)
     return sum(per_stage) / max(per_stage)
 

@@ -47,6 +47,15 @@ def initialize(
       num_processes, process_id: the run's size and this process's index.
       cpu_devices: fake CPU devices of this process (used only by the CPU backend).
       auto: let `jax.distributed.initialize()` read the cluster's environment.
+
+    >>> initialize()  # no coordinator: a run of this one process, nothing to join
+    >>> import jax
+    >>> jax.process_count()
+    1
+    >>> initialize(num_processes=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: --num_processes and --process_id need --coordinator HOST:PORT ...
     """
     import jax
 

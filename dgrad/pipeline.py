@@ -81,6 +81,20 @@ class PipelineState:
       finite: False once any loss was NaN or infinite (see `Pipeline.check_finite`).
       recent: with `probe_every`, the batches whose gradients some stage has still to
         apply (the probe recomputes their gradients at the current weights).
+
+    After one FDG step of two stages, stage 0 keeps the record of batch 0 for
+    its delayed backward, and batch 0's activation waits for stage 1, as the
+    schedule says:
+
+    >>> import jax.numpy as jnp, optax
+    >>> from dgrad import models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+    >>> batch = (jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32))
+    >>> state, _ = pipe.step(pipe.init(batch), batch)
+    >>> state.step, state.stages[0].kept_batches, state.activations[1].batch
+    (1, (0,), 0)
+    >>> pipe.schedule.kept_batches(0, state.step), pipe.schedule.activation_batch(1, state.step)
+    ([0], 0)
     """
 
     step: int = struct.field(pytree_node=False)
@@ -134,6 +148,21 @@ class Pipeline:
       devices, placement: which devices, and how stages (and their
         `data_parallel` replicas) map onto them; see `dgrad.placement.Placement`.
       loss_fn: `(outputs, labels) -> (mean loss, metrics)` for the last stage.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from dgrad import models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="fdg",
+    ...                 optimizer=optax.sgd(0.1))
+    >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
+    >>> state = pipe.init(batch)
+    >>> state, metrics = pipe.step(state, batch)
+    >>> pipe.num_stages, state.step, metrics  # FDG fills: no batch reached the loss yet
+    (2, 1, {})
+    >>> state, metrics = pipe.step(state, batch)
+    >>> metrics["batch"], sorted(metrics)
+    (0, ['accuracy', 'batch', 'loss'])
+    >>> pipe.predict(state, batch[0]).shape
+    (4, 3)
     """
 
     def __init__(

@@ -152,6 +152,16 @@ class Placement:
       data_parallel: D, devices per stage; -1 uses them all (D = devices // K).
         Explicit index lists say D themselves (a D other than 1 or -1 must agree).
       fused: one group for all stages (fused backprop, data parallel over D).
+
+    >>> import jax, jax.numpy as jnp
+    >>> shared = Placement(2, jax.devices()[:1])  # two stages on one device
+    >>> shared.data_parallel, shared.groups[0] == shared.groups[1]
+    (1, True)
+    >>> x = shared.put_batch(jnp.ones((4, 3)), 0)
+    >>> shared.move(x, 0, 1) is x  # the same group: nothing moves
+    True
+    >>> Placement(1, data_parallel=-1).data_parallel == jax.device_count()  # every device
+    True
     """
 
     def __init__(
@@ -354,6 +364,11 @@ def share(tree):
 
     Replicated arrays, and arrays held by a single process, are gathered onto
     one device of each process; arrays that already span processes stay.
+
+    >>> import jax.numpy as jnp
+    >>> metrics = {"loss": jnp.ones(())}
+    >>> share(metrics) is metrics  # one process: already readable
+    True
     """
     if jax.process_count() == 1:
         return tree
@@ -361,7 +376,14 @@ def share(tree):
 
 
 def unshare(tree, target):
-    """The inverse of `share` for restored values: each array placed as `target` says."""
+    """The inverse of `share` for restored values: each array placed as `target` says.
+
+    >>> import jax, jax.numpy as jnp
+    >>> x = jnp.arange(3.0)
+    >>> target = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    >>> unshare(share(x), target) is x  # one process: placed already
+    True
+    """
     if jax.process_count() == 1:
         return tree
     return jax.tree.map(_unshare_leaf, tree, target)

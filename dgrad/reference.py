@@ -80,6 +80,16 @@ def reference_run(
     shrinking is done to the cotangents instead. With `predict_lr`, a stage
     forwards with its weights predicted `tau` updates ahead from the momentum
     in its optimizer state at that moment (tau: its weight staleness).
+
+    >>> import jax.numpy as jnp, optax
+    >>> from dgrad import models
+    >>> batches = [(jnp.ones((2, 4)) * i, jnp.array([0, 1])) for i in range(3)]
+    >>> run = reference_run(models.mlp([4, 8, 3], num_stages=2), batches, method="fdg",
+    ...                     optimizer=optax.sgd(0.1))
+    >>> run.gradient_batches  # FDG: stage 0 applies batch 0's gradient in iteration 2
+    [[None, None, 0], [None, 0, 1]]
+    >>> run.losses[0] is None, len(run.params)  # nothing reached the loss in iteration 0
+    (True, 2)
     """
     if method == "fr":
         return _features_replay(stages, batches, optimizer, loss_fn)
@@ -312,7 +322,14 @@ def _greedy(stages, batches, optimizer, loss_fn) -> ReferenceRun:
 
 
 def max_relative_error(a, b) -> float:
-    """The largest over leaves of `max|a - b| / max|b|` for two pytrees of arrays."""
+    """The largest over leaves of `max|a - b| / max|b|` for two pytrees of arrays.
+
+    >>> import numpy as np
+    >>> a = {"w": np.array([1.0, 2.0]), "b": np.array([4.0])}
+    >>> b = {"w": np.array([1.0, 2.5]), "b": np.array([4.0])}
+    >>> max_relative_error(a, b)  # |2.0 - 2.5| / 2.5
+    0.2
+    """
 
     def error(x, y):
         x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)

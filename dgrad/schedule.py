@@ -66,7 +66,14 @@ from dgrad.options import METHODS
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The timetable of `method` on a pipeline of `num_stages` stages."""
+    """The timetable of `method` on a pipeline of `num_stages` stages.
+
+    >>> s = Schedule("ddg", num_stages=4)
+    >>> [s.weight_staleness(k) for k in range(4)]
+    [3, 2, 1, 0]
+    >>> [s.backward_batch(k, 2) for k in range(4)]  # iteration 2: stage 0 has no gradient yet
+    [None, 0, 1, 2]
+    """
 
     method: str
     num_stages: int

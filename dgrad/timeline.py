@@ -47,7 +47,27 @@ class Event:
 
 
 class Timeline:
-    """Collects `Event`s from a traced pipeline; see the module docstring."""
+    """Collects `Event`s from a traced pipeline; see the module docstring.
+
+    >>> import json, os, tempfile
+    >>> import jax, jax.numpy as jnp, optax, dgrad
+    >>> from dgrad import models
+    >>> pipe = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), method="fdg",
+    ...                       optimizer=optax.sgd(0.1), devices=jax.devices()[:1])
+    >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
+    >>> state, timeline = pipe.init(batch), Timeline()
+    >>> watched = timeline.watch(pipe)
+    >>> for _ in range(2):
+    ...     state, _ = watched.step(state, batch)
+    >>> timeline.close()
+    >>> len(timeline.events), list(timeline.busy_fraction())  # both stages on device 0
+    (3, [0])
+    >>> path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    >>> timeline.chrome_trace(path)
+    >>> with open(path) as f:
+    ...     sorted(e["name"] for e in json.load(f)["traceEvents"] if e["ph"] == "X")
+    ['forward', 'forward', 'loss_step']
+    """
 
     def __init__(self):
         self.events: list[Event] = []

@@ -58,6 +58,13 @@ def load(
     uint8 images of `synthetic_shape` for speed runs; CIFAR and ImageNet are
     read from `data_dir` (default `$TFDS_DATA_DIR` or `~/tensorflow_datasets`)
     and raise `DatasetNotFoundError`, saying how to prepare them, when absent.
+
+    >>> ds = load("digits")
+    >>> ds.name, ds.num_classes, ds.input_shape
+    ('digits', 10, (8, 8, 1))
+    >>> small = load("synthetic", synthetic_shape=(4, 4, 3), synthetic_examples=64)
+    >>> len(small.train), len(small.test), small.input_shape
+    (64, 8, (4, 4, 3))
     """
     if name == "digits":
         train, test = load_digits(seed=seed)

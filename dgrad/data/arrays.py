@@ -31,7 +31,15 @@ class Split(NamedTuple):
 def batches(
     split: Split, batch_size: int, *, seed: int | None = None, drop_remainder: bool = True
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """One pass over `split` in batches, shuffled when `seed` is given."""
+    """One pass over `split` in batches, shuffled when `seed` is given.
+
+    >>> split = Split(np.zeros((10, 1), np.float32), np.arange(10, dtype=np.int32))
+    >>> [y.tolist() for _, y in batches(split, 4, drop_remainder=False)]
+    [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    >>> shuffled = [y.tolist() for _, y in batches(split, 5, seed=0)]
+    >>> shuffled != [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], sorted(sum(shuffled, [])) == list(range(10))
+    (True, True)
+    """
     n = len(split.labels)
     if batch_size > n and drop_remainder:
         raise ValueError(f"batch_size {batch_size} exceeds the {n} examples of this split.")

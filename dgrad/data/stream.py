@@ -54,6 +54,19 @@ class Stream:
       sharding: if given (the first stage's `Placement.sharded(0)`), `iterate`
         yields global `jax.Array`s placed so, built ahead of time from this
         process's rows, so the copy overlaps the training.
+
+    >>> import numpy as np
+    >>> from dgrad.data import load
+    >>> ds = load("digits")
+    >>> stream = Stream(ds.train, 32, transform=ds.train_transform, seed=0)
+    >>> stream.steps_per_epoch  # the full batches of 1438 examples
+    44
+    >>> x, y = stream.batch(50)  # batch 6 of epoch 1
+    >>> x.shape, y.shape
+    ((32, 8, 8, 1), (32,))
+    >>> again = Stream(ds.train, 32, transform=ds.train_transform, seed=0)
+    >>> bool(np.array_equal(again.batch(50)[0], x))  # a pure function of (seed, step)
+    True
     """
 
     def __init__(
@@ -162,6 +175,14 @@ def eval_batches(source: Source, batch_size: int, transform: Transform) -> Itera
 
     The last batch is padded by repeating its final example, with `mask` False on
     the padding, so every batch has one shape and each example counts once.
+
+    >>> from dgrad.data.arrays import synthetic
+    >>> from dgrad.data.augment import identity
+    >>> batches = list(eval_batches(synthetic(10, (2, 2, 1)), 4, identity))
+    >>> [inputs.shape[0] for inputs, _, _ in batches], [int(m.sum()) for _, _, m in batches]
+    ([4, 4, 4], [4, 4, 2])
+    >>> batches[-1][2]
+    array([ True,  True, False, False])
     """
     n = len(source)
     for start in range(0, n, batch_size):

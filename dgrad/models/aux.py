@@ -67,6 +67,14 @@ def with_aux_heads(
 
     `example_input` (an array or `jax.ShapeDtypeStruct` of the model's input) fixes the
     width of each head.
+
+    >>> import jax.numpy as jnp
+    >>> from dgrad import models
+    >>> stages = with_aux_heads(models.mlp([6, 8, 8, 3], num_stages=3), 3, jnp.ones((4, 6)))
+    >>> [type(s).__name__ for s in stages]  # the last stage's head is the model's own
+    ['AuxStage', 'AuxStage', 'Sequential']
+    >>> [(s.head.linear.in_features, s.head.linear.out_features) for s in stages[:2]]
+    [(8, 3), (8, 3)]
     """
     rngs = as_rngs(rngs)
     shape = jax.ShapeDtypeStruct(example_input.shape, example_input.dtype)

@@ -43,7 +43,14 @@ def mlp(
 
 
 def mlp_blocks(features: Sequence[int], *, rngs=0) -> Blocks:
-    """The MLP as a chain of blocks, one per linear layer."""
+    """The MLP as a chain of blocks, one per linear layer.
+
+    >>> blocks = mlp_blocks([64, 32, 10])
+    >>> len(blocks.modules), blocks.costs  # costs: multiply-adds per example
+    (2, [2048, 320])
+    >>> [len(s.layers) for s in blocks.stages(2)]
+    [1, 1]
+    """
     features = list(features)
     if len(features) < 2 or any(not isinstance(f, int) or f < 1 for f in features):
         raise ValueError(f"features must list at least two positive layer sizes, got {features}.")

@@ -156,6 +156,12 @@ def cifar_resnet(
       split: see `dgrad.models.split.choose_cuts`; the papers' splits exist for
         ResNet-56 (K = 2, 3, 4), ResNet-110 (K = 2, 4) and ResNet-1202 (K = 4).
       rngs: an `nnx.Rngs`, key or seed.
+
+    >>> stages = cifar_resnet(56, num_stages=2, width=4)  # the papers' cut, before L2[4]
+    >>> [len(s.layers) for s in stages]
+    [14, 15]
+    >>> [type(block).__name__ for block in stages[0].layers[:2]], type(stages[1].layers[-1])
+    (['Stem', 'BasicBlock'], <class 'dgrad.models.resnet.Head'>)
     """
     blocks = cifar_resnet_blocks(
         depth, num_classes, width=width, in_channels=in_channels, rngs=rngs

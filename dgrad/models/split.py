@@ -23,6 +23,11 @@ def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
 
     Exact (dynamic programming over prefix sums). Among optimal splits it returns
     the one whose cuts come first.
+
+    >>> balanced_cuts([2, 2, 1, 1, 1, 1], num_stages=2)  # stages of cost 4 and 4
+    [2]
+    >>> balanced_cuts([1, 1, 1], num_stages=3)
+    [1, 2]
     """
     n = len(costs)
     check_num_stages(num_stages, n)
@@ -113,7 +118,13 @@ def choose_cuts(
 
 
 def stages_from_blocks(blocks: Sequence[nnx.Module], cuts: Sequence[int]) -> list[nnx.Sequential]:
-    """Groups `blocks` into `nnx.Sequential` stages that start at `cuts`."""
+    """Groups `blocks` into `nnx.Sequential` stages that start at `cuts`.
+
+    >>> from dgrad.models import mlp_blocks
+    >>> stages = stages_from_blocks(mlp_blocks([4, 8, 8, 3]).modules, cuts=[1])
+    >>> [len(s.layers) for s in stages]
+    [1, 2]
+    """
     bounds = [0, *check_cuts(cuts, len(blocks)), len(blocks)]
     return [nnx.Sequential(*blocks[a:b]) for a, b in zip(bounds, bounds[1:])]
 

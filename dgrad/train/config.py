@@ -201,14 +201,30 @@ def describe() -> str:
 
 
 def nearest_field(name: str) -> str | None:
-    """The field whose name is closest to `name`, if any is close."""
+    """The field whose name is closest to `name`, if any is close.
+
+    >>> nearest_field("learning_rate"), nearest_field("num_stage"), nearest_field("xyz")
+    ('optimizer.learning_rate', 'num_stages', None)
+    """
     match = difflib.get_close_matches(name, FIELD_NAMES, n=1, cutoff=0.6)
     return match[0] if match else None
 
 
 def parse_value(name: str, text: str) -> Any:
     """Field `name`'s value written as `text` on a command line (ValueError saying what
-    the field takes, or the nearest field's name)."""
+    the field takes, or the nearest field's name).
+
+    >>> parse_value("num_stages", "4"), parse_value("beta", "0.5")
+    (4, 0.5)
+    >>> parse_value("model.hidden", "64,64")
+    (64, 64)
+    >>> parse_value("optimizer.nesterov", "yes"), parse_value("optimizer.nesterov", "none")
+    (True, None)
+    >>> parse_value("num_stage", "4")
+    Traceback (most recent call last):
+    ...
+    ValueError: num_stage is not a config field; did you mean --config.num_stages?
+    """
     by_name = {f.name: f for f in FIELDS}
     if name not in by_name:
         near = nearest_field(name)
@@ -237,7 +253,13 @@ def parse_value(name: str, text: str) -> Any:
 
 
 def set_field(config: ml_collections.ConfigDict, name: str, value) -> None:
-    """Sets the field of dotted `name` (`optimizer.learning_rate`) to `value`."""
+    """Sets the field of dotted `name` (`optimizer.learning_rate`) to `value`.
+
+    >>> config = base()
+    >>> set_field(config, "optimizer.learning_rate", 0.05)
+    >>> config.optimizer.learning_rate
+    0.05
+    """
     *parents, leaf = name.split(".")
     node = config
     for parent in parents:
@@ -329,7 +351,14 @@ def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def differences(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
-    """The fields (dotted names) where `config` changes the numbers of a run saved with `saved`."""
+    """The fields (dotted names) where `config` changes the numbers of a run saved with `saved`.
+
+    >>> saved = to_json(base())
+    >>> config = base()
+    >>> config.num_stages, config.log_every_steps = 4, 10
+    >>> differences(saved, config)  # log_every_steps only changes how the run is watched
+    ['num_stages']
+    """
     old, new = flatten(saved), flatten(to_json(config))
     return sorted(
         name

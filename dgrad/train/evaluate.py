@@ -42,7 +42,19 @@ def evaluate(
 ) -> dict[str, float]:
     """`test_<metric>` means of `loss_fn`'s loss and metrics over all of `source`, in
     evaluation mode with the current weights (padded last batch masked out). Batches
-    are rounded up to a multiple of the replicas; the padding is masked out too."""
+    are rounded up to a multiple of the replicas; the padding is masked out too.
+
+    >>> import optax, dgrad
+    >>> from dgrad import data, models
+    >>> ds = data.load("digits")
+    >>> pipe = dgrad.Pipeline(models.mlp([64, 32, 10], num_stages=2), method="fdg",
+    ...                       optimizer=optax.sgd(0.1))
+    >>> state = pipe.init(data.Stream(ds.train, 32, transform=ds.train_transform, seed=0).batch(0))
+    >>> record = evaluate(pipe, state, Limited(ds.test, 150), ds.eval_transform, batch_size=100)
+    >>> correct = record["test_accuracy"] * 150  # 150 examples: the 50 of padding count for none
+    >>> abs(correct - round(correct)) < 1e-3
+    True
+    """
     replicas = pipe.placement.data_parallel
     batch_size = -(-batch_size // replicas) * replicas
     totals = None

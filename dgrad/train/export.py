@@ -42,6 +42,14 @@ def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None
     so the model runs on one device and shares no buffer with the pipeline.
     Under several processes the arrays are instead gathered onto one device of
     every process (`dgrad.placement.share`), and every process calls `save`.
+
+    >>> import jax.numpy as jnp, optax, dgrad
+    >>> from dgrad import models
+    >>> pipe = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), method="ddg",
+    ...                       optimizer=optax.sgd(0.1))
+    >>> model = merge(pipe, pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))))
+    >>> len(model.layers), model(jnp.ones((5, 4))).shape  # any batch size, on one device
+    (2, (5, 3))
     """
     modules = []
     for fns, stage in zip(pipe.stages, state.stages):
@@ -58,7 +66,18 @@ def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None
 
 
 def save(model: nnx.Module, directory: str | os.PathLike) -> str:
-    """Writes the model's weights and statistics (`nnx.state`) to `directory` with orbax."""
+    """Writes the model's weights and statistics (`nnx.state`) to `directory` with orbax.
+
+    Returns the absolute path written.
+
+    >>> import os, tempfile
+    >>> from flax import nnx
+    >>> from dgrad import models
+    >>> model = nnx.Sequential(*models.mlp([4, 8, 3], num_stages=2))
+    >>> path = save(model, os.path.join(tempfile.mkdtemp(), "model"))
+    >>> os.path.isabs(path), os.path.isdir(path)
+    (True, True)
+    """
     path = os.path.abspath(os.fspath(directory))
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path, nnx.state(model), force=True)
@@ -66,7 +85,19 @@ def save(model: nnx.Module, directory: str | os.PathLike) -> str:
 
 
 def load(stages: Sequence[nnx.Module], directory: str | os.PathLike) -> nnx.Sequential:
-    """The model `save` wrote, given freshly built stages of the same architecture and split."""
+    """The model `save` wrote, given freshly built stages of the same architecture and split.
+
+    >>> import os, tempfile
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from dgrad import models
+    >>> original = nnx.Sequential(*models.mlp([4, 8, 3], num_stages=2, rngs=0))
+    >>> path = save(original, os.path.join(tempfile.mkdtemp(), "model"))
+    >>> loaded = load(models.mlp([4, 8, 3], num_stages=2, rngs=1), path)  # other weights
+    >>> x = jnp.ones((2, 4))
+    >>> bool(jnp.array_equal(loaded(x), original(x)))
+    True
+    """
     model = nnx.Sequential(*stages)
     model.eval()
     graph, abstract = nnx.split(model)

@@ -35,7 +35,19 @@ from dgrad.train.workdir import WorkdirError
 
 class Tally:
     """Sums of the train metrics the last stage reported, over the epoch and over the
-    current log interval (JSON-able, so that a checkpoint can carry them)."""
+    current log interval (JSON-able, so that a checkpoint can carry them).
+
+    >>> tally = Tally()
+    >>> tally.add({})  # FDG while filling: nothing reported
+    {}
+    >>> tally.add({"loss": 2.0, "accuracy": 0.5, "batch": 0})
+    {'loss': 2.0, 'accuracy': 0.5}
+    >>> _ = tally.add({"loss": 1.0, "accuracy": 1.0, "batch": 1})
+    >>> tally.take_interval(), tally.take_interval()
+    ({'loss': 1.5, 'accuracy': 0.75}, {})
+    >>> Tally(tally.saved()).take_epoch()  # a checkpoint carries the epoch's sums
+    {'train_loss': 1.5, 'train_accuracy': 0.75}
+    """
 
     def __init__(self, saved: dict[str, dict[str, float]] | None = None):
         saved = saved or {}

@@ -24,7 +24,18 @@ from typing import Any, Iterable, Mapping
 
 
 def read(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any]]:
-    """The records in `path` (of one `kind` if given); [] if the file does not exist."""
+    """The records in `path` (of one `kind` if given); [] if the file does not exist.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    >>> read(path)
+    []
+    >>> with MetricWriter(path) as writer:
+    ...     writer.write({"kind": "train", "step": 4, "loss": 2.0})
+    ...     writer.write({"kind": "epoch", "step": 8, "epoch": 1})
+    >>> [r["step"] for r in read(path)], read(path, kind="epoch")
+    ([4, 8], [{'kind': 'epoch', 'step': 8, 'epoch': 1}])
+    """
     if not os.path.exists(path):
         return []
     with open(path) as f:
@@ -33,7 +44,17 @@ def read(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any
 
 
 def truncate(path: str | os.PathLike, after_step: int) -> None:
-    """Drops the records of steps after `after_step` (those a resumed run will redo)."""
+    """Drops the records of steps after `after_step` (those a resumed run will redo).
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    >>> with MetricWriter(path) as writer:
+    ...     for step in (4, 8, 12):
+    ...         writer.write({"kind": "train", "step": step, "loss": 1.0})
+    >>> truncate(path, after_step=8)  # a run resumed from its checkpoint at step 8
+    >>> [r["step"] for r in read(path)]
+    [4, 8]
+    """
     records = [r for r in read(path) if r["step"] <= after_step]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)

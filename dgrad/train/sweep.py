@@ -48,7 +48,15 @@ class SweepError(ValueError):
 
 def parse_grid(text: str) -> dict[str, list[Any]]:
     """`field=v1,v2 other=w1` into `{field: [v1, v2], other: [w1]}`, each value typed as
-    its field (SweepError naming the field otherwise)."""
+    its field (SweepError naming the field otherwise).
+
+    >>> parse_grid("method=ddg,fdg beta=0.5 optimizer.learning_rate=0.05")
+    {'method': ['ddg', 'fdg'], 'beta': [0.5], 'optimizer.learning_rate': [0.05]}
+    >>> parse_grid("num_stages=two")
+    Traceback (most recent call last):
+    ...
+    dgrad.train.sweep.SweepError: --grid num_stages=two: expected int
+    """
     grid: dict[str, list[Any]] = {}
     for item in text.split():
         name, equals, values = item.partition("=")
@@ -86,7 +94,16 @@ class Run:
 
 
 def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
-    """The runs of every valid combination, and a note for each combination skipped."""
+    """The runs of every valid combination, and a note for each combination skipped.
+
+    >>> runs, skipped = expand(fields.base(), {"method": ["bp", "fdg"], "beta": [1.0, 0.5]})
+    >>> [run.describe() for run in runs]
+    ['method=bp beta=1.0', 'method=fdg beta=1.0', 'method=fdg beta=0.5']
+    >>> skipped
+    ['method=bp beta=0.5: beta=0.5 asks for gradient shrinking, which only FDG has; ...']
+    >>> runs[-1].overrides()
+    ['--config.method=fdg', '--config.beta=0.5']
+    """
     names = list(grid)
     runs, skipped = [], []
     for values in itertools.product(*(grid[n] for n in names)):

@@ -59,7 +59,20 @@ class Plan:
 def inspect(
     path: str | os.PathLike, config: ml_collections.ConfigDict, *, extend: bool = False
 ) -> Plan:
-    """Decides what training `config` in `path` means; raises `WorkdirError` if it may not."""
+    """Decides what training `config` in `path` means; raises `WorkdirError` if it may not.
+
+    >>> import tempfile
+    >>> from dgrad.train import config as fields
+    >>> path, config = tempfile.mkdtemp(), fields.base()
+    >>> create(inspect(path, config), config)  # a new experiment: writes config.json
+    >>> inspect(path, config).resumes  # the same config resumes it
+    True
+    >>> config.num_stages = 4
+    >>> inspect(path, config)
+    Traceback (most recent call last):
+    ...
+    dgrad.train.workdir.WorkdirError: ... (this config differs in: num_stages 2 -> 4); ...
+    """
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         raise WorkdirError(f"--workdir {path} is a file; give a directory.")
