@@ -7,17 +7,7 @@ the gradient at the current parameters, it is the stale-gradient model
 `w_{t+1} = U(w_t, g(w_{t-tau}))` on one device. `staged_delay` gives each
 pipeline stage's parameters the weight staleness of BP, DDG or FDG.
 
->>> import jax.numpy as jnp, optax
->>> tx = delay(optax.sgd(1.0), tau=2)
->>> params = jnp.zeros(1)
->>> state = tx.init(params)
->>> for g in [1.0, 2.0, 3.0, 4.0]:
-...     updates, state = tx.update(jnp.array([g]), state, params)
-...     print(updates)
-[0.]
-[0.]
-[-1.]
-[-2.]
+See `delay` for an example.
 """
 
 from __future__ import annotations
