@@ -12,7 +12,7 @@ _EXPORTS = {
     "METHODS": "dgrad.options",
     "Options": "dgrad.options",
     "Pipeline": "dgrad.pipeline",
-    "PipelineState": "dgrad.pipeline",
+    "PipelineState": "dgrad.state",
     "Placement": "dgrad.placement",
     "Schedule": "dgrad.schedule",
 }

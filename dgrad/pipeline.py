@@ -23,14 +23,13 @@ live and how they move is the `Placement`'s business.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx, struct
+from flax import nnx
 
 from dgrad import losses
 from dgrad.optim import accumulate, shrink
@@ -38,90 +37,10 @@ from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.optim.prediction import momentum_of
 from dgrad.options import Options
 from dgrad.placement import Placement, share
+from dgrad.probe import Probe
 from dgrad.schedule import Schedule
-from dgrad.stage import LossFn, Record, Residuals, StageFunctions
-
-
-@struct.dataclass
-class StageState:
-    """One stage's state: weights, statistics, optimizer state, and the records it keeps
-    (`kept[i]` for the forward of batch `kept_batches[i]`, oldest first)."""
-
-    params: Any
-    rest: Any
-    opt_state: Any
-    kept: tuple[Record, ...] = ()
-    kept_batches: tuple[int, ...] = struct.field(pytree_node=False, default=())
-
-    def keep(self, record: Record, batch: int) -> StageState:
-        return self.replace(kept=self.kept + (record,), kept_batches=self.kept_batches + (batch,))
-
-    def drop_oldest(self) -> StageState:
-        return self.replace(kept=self.kept[1:], kept_batches=self.kept_batches[1:])
-
-
-@struct.dataclass
-class Message:
-    """An activation (with its labels) or a cotangent of `batch` in flight."""
-
-    batch: int = struct.field(pytree_node=False)
-    value: Any
-    labels: Any = None
-
-
-@struct.dataclass
-class PipelineState:
-    """Everything a pipeline carries from one step to the next.
-
-    Attributes:
-      step: how many batches `step` has consumed.
-      stages: one `StageState` per stage, on its devices.
-      activations: `activations[k]` is the input waiting for stage k (FDG).
-      cotangents: `cotangents[k]` is the cotangent waiting for stage k.
-      finite: False once any loss was NaN or infinite (see `Pipeline.check_finite`).
-      recent: with `probe_every`, the batches whose gradients some stage has still to
-        apply (the probe recomputes their gradients at the current weights).
-
-    After one FDG step of two stages, stage 0 keeps the record of batch 0 for
-    its delayed backward, and batch 0's activation waits for stage 1, as the
-    schedule says:
-
-    >>> import jax.numpy as jnp, optax
-    >>> from dgrad import models
-    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
-    >>> batch = (jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32))
-    >>> state, _ = pipe.step(pipe.init(batch), batch)
-    >>> state.step, state.stages[0].kept_batches, state.activations[1].batch
-    (1, (0,), 0)
-    >>> pipe.schedule.kept_batches(0, state.step), pipe.schedule.activation_batch(1, state.step)
-    ([0], 0)
-    """
-
-    step: int = struct.field(pytree_node=False)
-    stages: tuple[StageState, ...]
-    activations: tuple[Message | None, ...]
-    cotangents: tuple[Message | None, ...]
-    finite: jax.Array
-    recent: tuple[Message, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class StageSpec:
-    """Shapes of what stage k receives, sends and keeps (global shapes, whole batch)."""
-
-    inputs: jax.ShapeDtypeStruct
-    outputs: jax.ShapeDtypeStruct | None  # None for the last stage
-    record: Record | None  # of ShapeDtypeStructs; None for the last stage
-    residual_treedef: Any = None  # see StageFunctions.residual_treedef
-
-
-def _shape_dtype(a) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a))
-
-
-def _abstract(tree, sharding):
-    """`tree`'s arrays as `jax.ShapeDtypeStruct`s placed by `sharding`."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+from dgrad.stage import LossFn, Residuals, StageFunctions
+from dgrad.state import Message, PipelineState, StageState, shape_dtype, stage_specs, structure
 
 
 def _split_batch(batch):
@@ -225,9 +144,10 @@ class Pipeline:
         if fused:
             self._calls[0]["fused_step"] = jax.jit(self._fused_step, donate_argnums=(0, 2))
         self._evaluation_sums = jax.jit(self._evaluation_sums_fn)
-        self._fresh_gradients = jax.jit(self._fresh_gradients_fn)
-        self._compare = jax.jit(_compare_gradients)
-        self._batch_shapes, self._specs = None, None
+        self._probe = Probe(self)
+        self.probe_window = self.schedule.longest_wait() if probe_every is not None else 0
+        self._batch_shapes = None
+        self.specs = None  # each stage's `dgrad.state.StageSpec`, once `init` has run
 
     def _stage_optimizer(self, optimizer: Optimizer, k: int) -> optax.GradientTransformation:
         tx = for_stage(optimizer, k)
@@ -282,8 +202,8 @@ class Pipeline:
         """
         inputs, labels = _split_batch(example_batch)
         self.placement.check_batch_size(np.shape(inputs)[0])
-        self._batch_shapes = (_shape_dtype(inputs), _shape_dtype(labels))
-        self._specs = self._stage_specs(*self._batch_shapes)
+        self._batch_shapes = (shape_dtype(inputs), shape_dtype(labels))
+        self.specs = stage_specs(self.stages, *self._batch_shapes)
         stages = []
         for k, fns in enumerate(self.stages):
             params, rest = self.placement.put((fns.params, fns.rest), k)
@@ -297,46 +217,11 @@ class Pipeline:
         finite = self.placement.put(jnp.array(True), self.num_stages - 1)
         return PipelineState(0, tuple(stages), none, none, finite)
 
-    @property
-    def probe_window(self) -> int:
-        """How many past batches the probe keeps: the longest a batch waits for its last
-        gradient (0 without a probe)."""
-        if self.options.probe_every is None:
-            return 0
-        s = self.schedule
-        return max(s.forward_lag(k) + s.gradient_delay(k) for k in range(self.num_stages))
-
-    def _stage_specs(self, inputs, labels) -> list[StageSpec]:
-        specs, shape = [], inputs
-        for k, fns in enumerate(self.stages):
-            source = "the batch" if k == 0 else f"stage {k - 1}"
-            try:
-                if k == self.num_stages - 1:
-                    jax.eval_shape(fns._loss_and_backward, fns.params, fns.rest, shape, labels)
-                    specs.append(StageSpec(shape, None, None))
-                else:
-                    opt_state = jax.eval_shape(fns.optimizer.init, fns.params)
-                    outputs, _, record = jax.eval_shape(
-                        fns._forward, fns.params, fns.rest, opt_state, shape
-                    )
-                    treedef = None
-                    if isinstance(record, Residuals):
-                        treedef = fns.residual_treedef(fns.params, fns.rest, shape)
-                    specs.append(StageSpec(shape, outputs, record, treedef))
-                    shape = outputs
-            except Exception as error:  # noqa: BLE001 -- re-raised with the stage named
-                raise ValueError(
-                    f"Stage {k} of {self.num_stages} cannot take input of shape {shape.shape} "
-                    f"and dtype {shape.dtype} (from {source}); check where the model was split. "
-                    f"Error: {error}"
-                ) from error
-        return specs
-
     def _check_batch(self, batch):
         if self._batch_shapes is None:
             raise RuntimeError("Call pipe.init(example_batch) before pipe.step.")
         batch = _split_batch(batch)
-        got = tuple(_shape_dtype(a) for a in batch)
+        got = tuple(shape_dtype(a) for a in batch)
         if got != self._batch_shapes:
 
             def describe(shapes):
@@ -369,13 +254,7 @@ class Pipeline:
         if self.fused:
             state, metrics = self._step_fused(state, inputs, labels)
         else:
-            step = {
-                "bp": self._step_bp,
-                "ddg": self._step_ddg,
-                "fr": self._step_ddg,
-                "fdg": self._step_fdg,
-                "dgl": self._step_dgl,
-            }[self.method]
+            step = self._step_bp if self.method == "bp" else self._step_staged
             state, metrics = step(state, inputs, labels)
         if self.probe_window:
             kept = state.recent + (Message(state.step - 1, inputs, labels),)
@@ -391,7 +270,7 @@ class Pipeline:
         y, rest, record = self._calls[k]["forward"](stage.params, stage.rest, stage.opt_state, x)
         return y, stage.replace(rest=rest).keep(record, batch)
 
-    def _step_stage(self, k: int, stage: StageState, received: Message, x, batch: int):
+    def _backward_and_forward(self, k: int, stage: StageState, received: Message, x, batch: int):
         """Stage k's backward + update of `received`'s batch and forward of `x`, one call."""
         self._check_record(k, stage, received)
         params, rest, opt_state, cotangent, y, record = self._calls[k]["step"](
@@ -401,7 +280,7 @@ class Pipeline:
             stage.kept[0],
             received.value,
             x,
-            self._specs[k].residual_treedef,
+            self.specs[k].residual_treedef,
         )
         stage = stage.replace(params=params, rest=rest, opt_state=opt_state).drop_oldest()
         return y, stage.keep(record, batch), self._cotangent_for(k, received.batch, cotangent)
@@ -414,14 +293,15 @@ class Pipeline:
             stage.opt_state,
             stage.kept[0],
             received.value,
-            self._specs[k].residual_treedef,
+            self.specs[k].residual_treedef,
         )
         stage = stage.replace(params=params, opt_state=opt_state).drop_oldest()
         return stage, self._cotangent_for(k, received.batch, cotangent)
 
     def _cotangent_for(self, k: int, batch: int, cotangent) -> Message | None:
-        """The message stage k sends stage k-1 with its input cotangent (none from stage 0)."""
-        return None if k == 0 else Message(batch, self._move(cotangent, k, k - 1))
+        """The message stage k sends stage k-1 with its input cotangent (none from stage 0
+        and from stages that train on their own loss)."""
+        return None if cotangent is None else Message(batch, self._move(cotangent, k, k - 1))
 
     @staticmethod
     def _check_record(k: int, stage: StageState, received: Message) -> None:
@@ -453,51 +333,33 @@ class Pipeline:
             stages[k], sent = self._backward_update(k, stages[k], sent)
         return state.replace(step=t + 1, stages=tuple(stages), finite=finite), metrics
 
-    def _step_ddg(self, state, x, labels):
-        t, last = state.step, self.num_stages - 1
-        stages, cotangents = list(state.stages), [None] * self.num_stages
-        for k in range(last):
-            received = state.cotangents[k]
-            if received is None:
-                y, stages[k] = self._forward(k, stages[k], x, t)
-            else:
-                y, stages[k], cotangents[k - 1] = self._step_stage(k, stages[k], received, x, t)
-            x = self._move(y, k, k + 1)
-        stages[last], sent, finite, metrics = self._loss_step(
-            stages[last], x, self._move(labels, 0, last), t, state.finite
-        )
-        if last > 0:
-            cotangents[last - 1] = sent
-        return state.replace(
-            step=t + 1, stages=tuple(stages), cotangents=tuple(cotangents), finite=finite
-        ), metrics
-
-    def _step_fdg(self, state, x, labels):
-        t, last = state.step, self.num_stages - 1
+    def _step_staged(self, state, x, labels):
+        """DDG, FR, FDG and DGL: each stage takes the batch that reaches it, applies the
+        gradient it is due (one call) and passes its output on: in the same step under
+        DDG and FR, in the next one under FDG and DGL (the forward is unlocked)."""
+        t, last, unlocked = state.step, self.num_stages - 1, self.method in ("fdg", "dgl")
         stages = list(state.stages)
         activations, cotangents = [None] * self.num_stages, [None] * self.num_stages
-        arriving = (Message(t, x, labels),) + state.activations[1:]
-        for k in range(last):
-            message, received = arriving[k], state.cotangents[k]
+        message, metrics, finite = Message(t, x, labels), {}, state.finite
+        for k in range(self.num_stages):
+            if unlocked and k > 0:
+                message = state.activations[k]
             if message is None:  # the pipeline is still filling up to stage k
-                continue
-            if received is None:
-                y, stages[k] = self._forward(k, stages[k], message.value, message.batch)
-            else:
-                y, stages[k], cotangents[k - 1] = self._step_stage(
-                    k, stages[k], received, message.value, message.batch
+                break
+            if k == last:
+                stages[k], sent, finite, metrics = self._loss_step(
+                    stages[k], message.value, message.labels, message.batch, finite
                 )
-            activations[k + 1] = Message(
-                message.batch, self._move(y, k, k + 1), self._move(message.labels, k, k + 1)
-            )
-        metrics, finite = {}, state.finite
-        if arriving[last] is not None:
-            message = arriving[last]
-            stages[last], sent, finite, metrics = self._loss_step(
-                stages[last], message.value, message.labels, message.batch, state.finite
-            )
-            if last > 0:
-                cotangents[last - 1] = sent
+            else:
+                y, stages[k], sent = self._advance(k, stages[k], state.cotangents[k], message)
+            if k > 0:
+                cotangents[k - 1] = sent
+            if k < last:
+                message = Message(
+                    message.batch, self._move(y, k, k + 1), self._move(message.labels, k, k + 1)
+                )
+                if unlocked:
+                    activations[k + 1] = message
         return state.replace(
             step=t + 1,
             stages=tuple(stages),
@@ -506,33 +368,17 @@ class Pipeline:
             finite=finite,
         ), metrics
 
-    def _step_dgl(self, state, x, labels):
-        """Every stage but the last trains on its own head's loss; outputs go on, one hop
-        per iteration; no cotangent goes back."""
-        t, last = state.step, self.num_stages - 1
-        stages, activations = list(state.stages), [None] * self.num_stages
-        arriving = (Message(t, x, labels),) + state.activations[1:]
-        for k in range(last):
-            message = arriving[k]
-            if message is None:
-                continue
-            stage = stages[k]
+    def _advance(self, k: int, stage: StageState, received: Message | None, message: Message):
+        """Stage k's one call on `message`'s batch: forward only while it has no gradient
+        due, else backward, update and forward; DGL: its own head's loss step."""
+        if self.method == "dgl":
             params, opt_state, rest, y, _ = self._calls[k]["aux_step"](
                 stage.params, stage.rest, stage.opt_state, message.value, message.labels
             )
-            stages[k] = stage.replace(params=params, opt_state=opt_state, rest=rest)
-            activations[k + 1] = Message(
-                message.batch, self._move(y, k, k + 1), self._move(message.labels, k, k + 1)
-            )
-        metrics, finite = {}, state.finite
-        if arriving[last] is not None:
-            message = arriving[last]
-            stages[last], _, finite, metrics = self._loss_step(
-                stages[last], message.value, message.labels, message.batch, state.finite
-            )
-        return state.replace(
-            step=t + 1, stages=tuple(stages), activations=tuple(activations), finite=finite
-        ), metrics
+            return y, stage.replace(params=params, opt_state=opt_state, rest=rest), None
+        if received is None:
+            return (*self._forward(k, stage, message.value, message.batch), None)
+        return self._backward_and_forward(k, stage, received, message.value, message.batch)
 
     def _fused_step(self, params, rests, opt_states, x, labels, finite):
         def loss(params):
@@ -572,20 +418,6 @@ class Pipeline:
             {**metrics, "batch": state.step},
         )
 
-    # ------------------------------------------------------------ the probe
-
-    def _fresh_gradients_fn(self, params, rests, x, labels):
-        """Every stage's gradient of the loss of (x, labels) at `params` (one backprop of
-        the whole model; statistics are not updated)."""
-
-        def loss(params):
-            h = x
-            for fns, p, r in zip(self.stages, params, rests):
-                h, _ = fns.apply(p, r, h)
-            return self.loss_fn(h, labels)[0]
-
-        return jax.grad(loss)(params)
-
     def probe(self, state: PipelineState, batch) -> dict[int, dict[str, jax.Array]]:
         """How stale the gradients are that the next `step(state, batch)` applies.
 
@@ -599,61 +431,9 @@ class Pipeline:
         applied gradient is that of the stage's own head's loss, compared with the
         model's loss gradient on the stage's body. Device arrays, keyed by stage;
         needs `probe_every` (the state keeps the batches whose gradients are due).
+        See `dgrad.probe`.
         """
-        t, last = state.step, self.num_stages - 1
-        known = {m.batch: (m.value, m.labels) for m in state.recent}
-        known[t] = self.placement.put_batch(tuple(batch), 0)
-        due = {k: self.schedule.backward_batch(k, t) for k in range(self.num_stages)}
-        params = [self._move(s.params, k, 0) for k, s in enumerate(state.stages)]
-        rests = [self._move(s.rest, k, 0) for k, s in enumerate(state.stages)]
-        fresh_of = {}
-        results = {}
-        for k, b in due.items():
-            if b is None or b not in known:
-                continue
-            if b not in fresh_of:
-                fresh_of[b] = self._fresh_gradients(params, rests, *known[b])
-            applied, drift = self._applied_gradient(k, state, known, b)
-            fresh = fresh_of[b][k]
-            if applied is None:
-                applied = self._move(fresh, 0, k)
-            if self.method == "dgl" and k < last:
-                applied, fresh, drift = applied["body"], fresh["body"], drift["body"]
-                now = state.stages[k].params["body"]
-            else:
-                now = state.stages[k].params
-            results[k] = self._compare(
-                self._move(applied, k, 0), fresh, self._move(now, k, 0), self._move(drift, k, 0)
-            )
-        return results
-
-    def _applied_gradient(self, k, state, known, batch):
-        """Stage k's gradient in the coming step (None where that step computes it from the
-        current weights of every stage: the fresh gradient itself), and the weights of its
-        batch's forward (NaN where the stage does not keep them)."""
-        stage, last, calls = state.stages[k], self.num_stages - 1, self._calls[k]
-        if self.method == "dgl" and k < last:
-            if k == 0:
-                x, labels = self._move(known[batch], 0, k)
-            else:
-                x, labels = state.activations[k].value, state.activations[k].labels
-            return calls["aux_gradient"](stage.params, stage.rest, x, labels), stage.params
-        if k == last:
-            message = state.activations[k]
-            if message is None:  # its input is this step's forward at the current weights
-                return None, stage.params
-            grads = calls["loss_gradient"](stage.params, stage.rest, message.value, message.labels)
-            return grads, stage.params
-        if not stage.kept_batches or stage.kept_batches[0] != batch:  # bp: this step's forward
-            return None, stage.params
-        record, received = stage.kept[0], state.cotangents[k]
-        grads = calls["gradient"](
-            record, stage.params, stage.rest, received.value, self._specs[k].residual_treedef
-        )
-        forward_weights = getattr(record, "params", None)
-        if forward_weights is None:
-            forward_weights = jax.tree.map(lambda w: jnp.full_like(w, jnp.nan), stage.params)
-        return grads, forward_weights
+        return self._probe.measure(state, batch)
 
     # ------------------------------------------------------- use the weights
 
@@ -713,64 +493,19 @@ class Pipeline:
         """The state after `step` steps as `jax.ShapeDtypeStruct`s with their shardings.
 
         What is in flight follows from the timetable (`dgrad.schedule`) and the
-        stages' shapes alone, so a checkpoint restores into this structure.
+        stages' shapes alone, so a checkpoint restores into this structure; see
+        `dgrad.state.structure`.
         """
-        if self._specs is None:
+        if self.specs is None:
             raise RuntimeError("Call pipe.init(example_batch) before asking for state shapes.")
-        schedule, placement, on = self.schedule, self.placement, _abstract
-        stages = []
-        for k, (fns, spec) in enumerate(zip(self.stages, self._specs)):
-            replicated = placement.replicated(k)
-            params, rest = on(fns.params, replicated), on(fns.rest, replicated)
-            opt_state = on(jax.eval_shape(fns.optimizer.init, fns.params), replicated)
-            stage = StageState(params, rest, opt_state)
-            for batch in schedule.kept_batches(k, step):
-                stage = stage.keep(self._record_structure(k, spec, opt_state), batch)
-            stages.append(stage)
-        labels = self._batch_shapes[1]
-        activations, cotangents = [], []
-        for k, spec in enumerate(self._specs):
-            batch = schedule.activation_batch(k, step)
-            activations.append(
-                None
-                if batch is None
-                else Message(
-                    batch,
-                    on(self._specs[k - 1].outputs, placement.sharded(k)),
-                    on(labels, placement.sharded(k)),
-                )
-            )
-            batch = schedule.cotangent_batch(k, step)
-            cotangents.append(
-                None if batch is None else Message(batch, on(spec.outputs, placement.sharded(k)))
-            )
-        finite = on(jax.ShapeDtypeStruct((), jnp.bool_), placement.replicated(self.num_stages - 1))
-        sharded = placement.sharded(0)
-        recent = tuple(
-            Message(b, on(self._batch_shapes[0], sharded), on(labels, sharded))
-            for b in range(max(0, step - self.probe_window), step)
-        )
-        return PipelineState(
-            step, tuple(stages), tuple(activations), tuple(cotangents), finite, recent
-        )
-
-    def _record_structure(self, k: int, spec: StageSpec, opt_state) -> Record:
-        """Stage k's record, with the shardings its forward gives the arrays it keeps."""
-        fns = self.stages[k]
-        replicated, sharded = self.placement.replicated(k), self.placement.sharded(k)
-        if self.placement.data_parallel == 1:  # one device: nothing to ask the compiler
-            return _abstract(spec.record, replicated)
-        args = (
-            _abstract(fns.params, replicated),
-            _abstract(fns.rest, replicated),
-            opt_state,
-            _abstract(spec.inputs, sharded),
-        )
-        compiled = jax.jit(fns._forward).lower(*args).compile()
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            spec.record,
-            compiled.output_shardings[2],
+        return structure(
+            step,
+            schedule=self.schedule,
+            placement=self.placement,
+            stages=self.stages,
+            specs=self.specs,
+            labels=self._batch_shapes[1],
+            recent=self.probe_window,
         )
 
 
@@ -786,19 +521,5 @@ def _check_aux_heads(stages) -> None:
         )
 
 
-def _norm(tree):
-    return jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree)))
-
-
-def _compare_gradients(applied, fresh, now, forward_weights):
-    dot = sum(jnp.sum(a * f) for a, f in zip(jax.tree.leaves(applied), jax.tree.leaves(fresh)))
-    difference = jax.tree.map(lambda a, f: a - f, applied, fresh)
-    moved = jax.tree.map(lambda w, v: w - v, now, forward_weights)
-    return {
-        "cosine": dot / (_norm(applied) * _norm(fresh)),
-        "relative_difference": _norm(difference) / _norm(fresh),
-        "weight_drift": _norm(moved) / _norm(now),
-    }
-
-
+# The state's parts stay importable from here.
 __all__ = ["Message", "Pipeline", "PipelineState", "Residuals", "StageState"]

@@ -130,6 +130,11 @@ class Schedule:
         old the kept input and the received cotangent are)."""
         return self.gradient_delay(stage)
 
+    def longest_wait(self) -> int:
+        """The most iterations a batch spends in the pipeline, from entering it to its last
+        gradient (how far back the staleness probe needs batches)."""
+        return max(self.forward_lag(k) + self.gradient_delay(k) for k in range(self.num_stages))
+
     def shrink_depth(self, stage: int) -> int:
         """Power of beta that gradient shrinking applies to `stage`'s gradient."""
         return self.last - stage

@@ -166,9 +166,31 @@ class StageFunctions:
         Tracing is deterministic, so every forward of these shapes gives VJP
         leaves of this structure; the backward rebuilds the VJP with it.
         """
-        return jax.tree.structure(
-            jax.eval_shape(lambda p, r, h: self._vjp(p, r, h)[1], params, rest, x)
-        )
+        return jax.tree.structure(self._vjp_shapes(params, rest, x))
+
+    def _vjp_shapes(self, params, rest, x, batch_size=None):
+        """The VJP of a forward of `x` (with `batch_size` rows, default x's) as shapes."""
+        shape_of = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+        params, rest, x = jax.tree.map(shape_of, (params, rest, x))
+        if batch_size is not None:
+            x = x.update(shape=(batch_size, *x.shape[1:]))
+        return jax.eval_shape(lambda p, r, h: self._vjp(p, r, h)[1], params, rest, x)
+
+    def _split_like_the_batch(self, residuals, params, rest, x):
+        """`residuals` with every leaf that grows with the batch split along it.
+
+        Left alone, the compiler may replicate such a leaf on every replica. A leaf
+        is batch-major when its first axis is the batch's in a forward of this
+        batch and of one twice its size (a weight of that length stays whole).
+        """
+        rows = jnp.shape(x)[0]
+        twice = jax.tree.leaves(self._vjp_shapes(params, rest, x, 2 * rows))
+        return [
+            _constrain(leaf, self.sharded)
+            if jnp.ndim(leaf) and leaf.shape[0] == rows and double.shape[0] == 2 * rows
+            else leaf
+            for leaf, double in zip(residuals, twice)
+        ]
 
     # ------------------------------------------------------- pure functions
 
@@ -216,7 +238,8 @@ class StageFunctions:
                 record = StashedInputs(inputs, params, rest)
         else:
             y, vjp, new_rest = self._vjp(params, rest, x)
-            record = Residuals(jax.tree.leaves(vjp), params)
+            residuals = self._split_like_the_batch(jax.tree.leaves(vjp), params, rest, x)
+            record = Residuals(residuals, params)
         return _constrain(y, self.sharded), _constrain(new_rest, self.replicated), record
 
     def _backward(self, record: Record, params, rest, cotangent, treedef):

@@ -23,6 +23,7 @@ from helpers import (
     assert_close,
     batches,
     build_pipeline,
+    input_shape,
     run_command,
 )
 
@@ -80,6 +81,49 @@ def test_fused_backprop_is_data_parallel_over_its_group():
     state, metrics = pipe.step(state, batches("cnn", 1)[0])
     assert jax.tree.leaves(state.stages[0].params)[0].devices() == set(jax.devices())
     assert np.isfinite(metrics["loss"])
+
+
+ROWS = 24  # no weight of the test models is 24 long, so a leading 24 is the batch
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize(
+    "method, memory", [("fdg", "residuals"), ("fdg", "dots"), ("fdg", "recompute"), ("ddg", None)]
+)
+def test_what_is_replicated_and_what_is_split_along_the_batch(model, method, memory):
+    """Weights, statistics and optimizer state whole on each replica; the batch's arrays
+    (in flight, and every leaf of what a stage keeps that is batch-major) split."""
+    pipe = build_pipeline(
+        model, 2, method=method, memory=memory, devices=jax.devices(), data_parallel=2
+    )
+    rng = np.random.default_rng(0)
+    batch = (
+        rng.normal(size=(ROWS, *input_shape(model)[1:])).astype(np.float32),
+        np.zeros(ROWS, np.int32),
+    )
+    state = pipe.init(batch)
+    for _ in range(3):
+        state, _ = pipe.step(state, batch)
+
+    def split(leaf, k):
+        return leaf.sharding.spec[:1] == ("data",) and leaf.devices() == set(
+            pipe.placement.groups[k]
+        )
+
+    in_flight = [  # activations[k] and cotangents[k] wait for stage k
+        (message, k)
+        for k, messages in enumerate(zip(state.activations, state.cotangents))
+        for message in messages
+        if message is not None
+    ]
+    assert in_flight
+    assert all(split(leaf, k) for message, k in in_flight for leaf in jax.tree.leaves(message))
+    for stage in state.stages:
+        for leaf in jax.tree.leaves((stage.params, stage.rest, stage.opt_state)):
+            assert leaf.sharding.is_fully_replicated and len(leaf.devices()) == 2
+    kept = jax.tree.leaves(state.stages[0].kept)
+    batch_major = [leaf for leaf in kept if leaf.ndim and leaf.shape[0] == ROWS]
+    assert batch_major and all(split(leaf, 0) for leaf in batch_major)
 
 
 def test_each_process_prepares_only_its_rows():

@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from dgrad import placement
 
 if TYPE_CHECKING:
-    from dgrad.pipeline import PipelineState
+    from dgrad.state import PipelineState
 
 
 class Checkpointer:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import jax
 
 from dgrad import data
-from dgrad.pipeline import Pipeline, PipelineState
+from dgrad.pipeline import Pipeline
 from dgrad.placement import share
+from dgrad.state import PipelineState
 
 
 class Limited:

@@ -31,8 +31,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from dgrad.models.aux import AuxStage
-from dgrad.pipeline import Pipeline, PipelineState
+from dgrad.pipeline import Pipeline
 from dgrad.placement import share
+from dgrad.state import PipelineState
 
 
 def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None) -> nnx.Sequential:

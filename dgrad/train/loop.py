@@ -21,8 +21,9 @@ import ml_collections
 
 from dgrad import data
 from dgrad.distributed import StopVote
-from dgrad.pipeline import Pipeline, PipelineState
+from dgrad.pipeline import Pipeline
 from dgrad.placement import share
+from dgrad.state import PipelineState
 from dgrad.train import config as fields
 from dgrad.train import export, metrics
 from dgrad.train.checkpoint import Checkpointer

@@ -1,0 +1,134 @@
+"""The staleness probe: how far the gradients a delayed pipeline applies are from fresh ones.
+
+On a probed step, for every stage k that applies a gradient (of batch b_k),
+`Probe.measure` compares that gradient with the gradient of b_k's loss at the
+current weights of every stage, and the current weights with those of b_k's
+forward. It costs one backprop of the whole model per distinct batch b_k, on
+the first stage's devices, and nothing on the steps it does not probe.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from dgrad.pipeline import Pipeline
+    from dgrad.state import PipelineState
+
+
+class Probe:
+    """The probe of one pipeline (see `Pipeline.probe` for what it measures).
+
+    >>> import jax.numpy as jnp, optax
+    >>> from dgrad import Pipeline, models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="ddg",
+    ...                 optimizer=optax.sgd(0.1), probe_every=1)
+    >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
+    >>> state, _ = pipe.step(pipe.init(batch), batch)
+    >>> result = Probe(pipe).measure(state, batch)  # what pipe.probe(state, batch) returns
+    >>> sorted(result), sorted(result[0])
+    ([0, 1], ['cosine', 'relative_difference', 'weight_drift'])
+    """
+
+    def __init__(self, pipe: Pipeline):
+        self.pipe = pipe
+        self._fresh_gradients = jax.jit(
+            functools.partial(_fresh_gradients, pipe.stages, pipe.loss_fn)
+        )
+        self._compare = jax.jit(compare_gradients)
+
+    def measure(self, state: PipelineState, batch) -> dict[int, dict[str, jax.Array]]:
+        pipe = self.pipe
+        t, last, move = state.step, pipe.num_stages - 1, pipe.placement.move
+        known = {m.batch: (m.value, m.labels) for m in state.recent}
+        known[t] = pipe.placement.put_batch(tuple(batch), 0)
+        params = [move(s.params, k, 0) for k, s in enumerate(state.stages)]
+        rests = [move(s.rest, k, 0) for k, s in enumerate(state.stages)]
+        fresh_of, results = {}, {}
+        for k in range(pipe.num_stages):
+            b = pipe.schedule.backward_batch(k, t)
+            if b is None or b not in known:
+                continue
+            if b not in fresh_of:
+                fresh_of[b] = self._fresh_gradients(params, rests, *known[b])
+            applied, drift = self._applied_gradient(k, state, known, b)
+            fresh = fresh_of[b][k]
+            if applied is None:
+                applied = move(fresh, 0, k)
+            now = state.stages[k].params
+            if pipe.method == "dgl" and k < last:  # the head is not part of the model
+                applied, fresh, drift, now = (tree["body"] for tree in (applied, fresh, drift, now))
+            results[k] = self._compare(
+                move(applied, k, 0), fresh, move(now, k, 0), move(drift, k, 0)
+            )
+        return results
+
+    def _applied_gradient(self, k, state, known, batch):
+        """Stage k's gradient in the coming step (None where that step computes it from the
+        current weights of every stage: the fresh gradient itself), and the weights of its
+        batch's forward (NaN where the stage does not keep them)."""
+        pipe = self.pipe
+        stage, last, calls = state.stages[k], pipe.num_stages - 1, pipe._calls[k]
+        if pipe.method == "dgl" and k < last:
+            if k == 0:
+                x, labels = pipe.placement.move(known[batch], 0, k)
+            else:
+                x, labels = state.activations[k].value, state.activations[k].labels
+            return calls["aux_gradient"](stage.params, stage.rest, x, labels), stage.params
+        if k == last:
+            message = state.activations[k]
+            if message is None:  # its input is this step's forward at the current weights
+                return None, stage.params
+            grads = calls["loss_gradient"](stage.params, stage.rest, message.value, message.labels)
+            return grads, stage.params
+        if not stage.kept_batches or stage.kept_batches[0] != batch:  # bp: this step's forward
+            return None, stage.params
+        record, received = stage.kept[0], state.cotangents[k]
+        grads = calls["gradient"](
+            record, stage.params, stage.rest, received.value, pipe.specs[k].residual_treedef
+        )
+        forward_weights = getattr(record, "params", None)
+        if forward_weights is None:
+            forward_weights = jax.tree.map(lambda w: jnp.full_like(w, jnp.nan), stage.params)
+        return grads, forward_weights
+
+
+def _fresh_gradients(stages, loss_fn, params, rests, x, labels):
+    """Every stage's gradient of the loss of (x, labels) at `params` (one backprop of
+    the whole model; statistics are not updated)."""
+
+    def loss(params):
+        h = x
+        for fns, p, r in zip(stages, params, rests):
+            h, _ = fns.apply(p, r, h)
+        return loss_fn(h, labels)[0]
+
+    return jax.grad(loss)(params)
+
+
+def _norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(a.astype(jnp.float32))) for a in jax.tree.leaves(tree)))
+
+
+def compare_gradients(applied, fresh, now, forward_weights) -> dict[str, jax.Array]:
+    """Cosine and relative difference of `applied` against `fresh`, and the drift of the
+    weights `now` from `forward_weights`, relative to `now`.
+
+    >>> import jax.numpy as jnp
+    >>> r = compare_gradients(jnp.array([1.0, 0.0]), jnp.array([1.0, 1.0]),
+    ...                       jnp.array([2.0, 0.0]), jnp.array([1.0, 0.0]))
+    >>> [round(float(r[name]), 3) for name in ("cosine", "relative_difference", "weight_drift")]
+    [0.707, 0.707, 0.5]
+    """
+    dot = sum(jnp.sum(a * f) for a, f in zip(jax.tree.leaves(applied), jax.tree.leaves(fresh)))
+    difference = jax.tree.map(lambda a, f: a - f, applied, fresh)
+    moved = jax.tree.map(lambda w, v: w - v, now, forward_weights)
+    return {
+        "cosine": dot / (_norm(applied) * _norm(fresh)),
+        "relative_difference": _norm(difference) / _norm(fresh),
+        "weight_drift": _norm(moved) / _norm(now),
+    }

@@ -1,0 +1,217 @@
+"""What a pipeline carries between steps, and its shapes from the timetable alone.
+
+A `PipelineState` holds each stage's `StageState` (parameters, non-parameter
+state, optimizer state and the records it keeps for delayed backwards) and
+the `Message`s in flight between stages. `structure` gives the state after
+any step as `jax.ShapeDtypeStruct`s with their shardings, without running a
+step: what is in flight follows from the `Schedule` and the stages' shapes,
+which `stage_specs` finds by tracing each stage once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dgrad.placement import Placement
+from dgrad.schedule import Schedule
+from dgrad.stage import Record, Residuals, StageFunctions
+
+
+@struct.dataclass
+class StageState:
+    """One stage's state: weights, statistics, optimizer state, and the records it keeps
+    (`kept[i]` for the forward of batch `kept_batches[i]`, oldest first)."""
+
+    params: Any
+    rest: Any
+    opt_state: Any
+    kept: tuple[Record, ...] = ()
+    kept_batches: tuple[int, ...] = struct.field(pytree_node=False, default=())
+
+    def keep(self, record: Record, batch: int) -> StageState:
+        return self.replace(kept=self.kept + (record,), kept_batches=self.kept_batches + (batch,))
+
+    def drop_oldest(self) -> StageState:
+        return self.replace(kept=self.kept[1:], kept_batches=self.kept_batches[1:])
+
+
+@struct.dataclass
+class Message:
+    """An activation (with its labels) or a cotangent of `batch` in flight."""
+
+    batch: int = struct.field(pytree_node=False)
+    value: Any
+    labels: Any = None
+
+
+@struct.dataclass
+class PipelineState:
+    """Everything a pipeline carries from one step to the next.
+
+    Attributes:
+      step: how many batches `step` has consumed.
+      stages: one `StageState` per stage, on its devices.
+      activations: `activations[k]` is the input waiting for stage k (FDG).
+      cotangents: `cotangents[k]` is the cotangent waiting for stage k.
+      finite: False once any loss was NaN or infinite (see `Pipeline.check_finite`).
+      recent: with `probe_every`, the batches whose gradients some stage has still to
+        apply (the probe recomputes their gradients at the current weights).
+
+    After one FDG step of two stages, stage 0 keeps the record of batch 0 for
+    its delayed backward, and batch 0's activation waits for stage 1, as the
+    schedule says:
+
+    >>> import jax.numpy as jnp, optax
+    >>> from dgrad import Pipeline, models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+    >>> batch = (jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32))
+    >>> state, _ = pipe.step(pipe.init(batch), batch)
+    >>> state.step, state.stages[0].kept_batches, state.activations[1].batch
+    (1, (0,), 0)
+    >>> pipe.schedule.kept_batches(0, state.step), pipe.schedule.activation_batch(1, state.step)
+    ([0], 0)
+    """
+
+    step: int = struct.field(pytree_node=False)
+    stages: tuple[StageState, ...]
+    activations: tuple[Message | None, ...]
+    cotangents: tuple[Message | None, ...]
+    finite: jax.Array
+    recent: tuple[Message, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """Shapes of what stage k receives, sends and keeps (global shapes, whole batch)."""
+
+    inputs: jax.ShapeDtypeStruct
+    outputs: jax.ShapeDtypeStruct | None  # None for the last stage
+    record: Record | None  # of ShapeDtypeStructs; None for the last stage
+    residual_treedef: Any = None  # see StageFunctions.residual_treedef
+
+
+def shape_dtype(a) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a))
+
+
+def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageSpec]:
+    """Each stage's `StageSpec` for batches of `inputs` and `labels` (shapes), by tracing
+    every stage once; a stage that cannot take what its predecessor sends is named.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from dgrad import models, losses
+    >>> stages = [StageFunctions(m, optax.sgd(0.1), first=k == 0,
+    ...                          loss_fn=losses.softmax_cross_entropy if k == 1 else None)
+    ...           for k, m in enumerate(models.mlp([4, 8, 3], num_stages=2))]
+    >>> batch = (jax.ShapeDtypeStruct((5, 4), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.int32))
+    >>> [spec.inputs.shape for spec in stage_specs(stages, *batch)]
+    [(5, 4), (5, 8)]
+    """
+    specs, shape, last = [], inputs, len(stages) - 1
+    for k, fns in enumerate(stages):
+        source = "the batch" if k == 0 else f"stage {k - 1}"
+        try:
+            if k == last:
+                jax.eval_shape(fns._loss_and_backward, fns.params, fns.rest, shape, labels)
+                specs.append(StageSpec(shape, None, None))
+            else:
+                opt_state = jax.eval_shape(fns.optimizer.init, fns.params)
+                outputs, _, record = jax.eval_shape(
+                    fns._forward, fns.params, fns.rest, opt_state, shape
+                )
+                treedef = None
+                if isinstance(record, Residuals):
+                    treedef = fns.residual_treedef(fns.params, fns.rest, shape)
+                specs.append(StageSpec(shape, outputs, record, treedef))
+                shape = outputs
+        except Exception as error:  # noqa: BLE001 -- re-raised with the stage named
+            raise ValueError(
+                f"Stage {k} of {len(stages)} cannot take input of shape {shape.shape} "
+                f"and dtype {shape.dtype} (from {source}); check where the model was split. "
+                f"Error: {error}"
+            ) from error
+    return specs
+
+
+def _abstract(tree, sharding):
+    """`tree`'s arrays as `jax.ShapeDtypeStruct`s placed by `sharding`."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree)
+
+
+def structure(
+    step: int,
+    *,
+    schedule: Schedule,
+    placement: Placement,
+    stages: Sequence[StageFunctions],
+    specs: Sequence[StageSpec],
+    labels: jax.ShapeDtypeStruct,
+    recent: int = 0,
+) -> PipelineState:
+    """The state after `step` steps as `jax.ShapeDtypeStruct`s with their shardings
+    (`recent`: how many past batches the state keeps for the probe).
+
+    >>> import jax, optax
+    >>> from dgrad import Pipeline, models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="fdg",
+    ...                 optimizer=optax.sgd(0.1))
+    >>> state = pipe.init((jax.numpy.ones((4, 4)), jax.numpy.zeros(4, int)))
+    >>> shapes = pipe.state_structure(3)  # calls this function
+    >>> shapes.stages[0].kept_batches, shapes.activations[1].value.shape
+    ((1, 2), (4, 8))
+    """
+    on, last = _abstract, len(stages) - 1
+    stage_states = []
+    for k, (fns, spec) in enumerate(zip(stages, specs)):
+        replicated = placement.replicated(k)
+        params, rest = on(fns.params, replicated), on(fns.rest, replicated)
+        opt_state = on(jax.eval_shape(fns.optimizer.init, fns.params), replicated)
+        stage = StageState(params, rest, opt_state)
+        for batch in schedule.kept_batches(k, step):
+            stage = stage.keep(_record_structure(placement, k, fns, spec, opt_state), batch)
+        stage_states.append(stage)
+    activations, cotangents = [], []
+    for k, spec in enumerate(specs):
+        sharded = placement.sharded(k)
+        batch = schedule.activation_batch(k, step)
+        activations.append(
+            None
+            if batch is None
+            else Message(batch, on(specs[k - 1].outputs, sharded), on(labels, sharded))
+        )
+        batch = schedule.cotangent_batch(k, step)
+        cotangents.append(None if batch is None else Message(batch, on(spec.outputs, sharded)))
+    finite = on(jax.ShapeDtypeStruct((), jnp.bool_), placement.replicated(last))
+    sharded = placement.sharded(0)
+    recent_batches = tuple(
+        Message(b, on(specs[0].inputs, sharded), on(labels, sharded))
+        for b in range(max(0, step - recent), step)
+    )
+    return PipelineState(
+        step, tuple(stage_states), tuple(activations), tuple(cotangents), finite, recent_batches
+    )
+
+
+def _record_structure(placement, k: int, fns: StageFunctions, spec: StageSpec, opt_state):
+    """Stage k's record, with the shardings its forward gives the arrays it keeps."""
+    replicated, sharded = placement.replicated(k), placement.sharded(k)
+    if placement.data_parallel == 1:  # one device: nothing to ask the compiler
+        return _abstract(spec.record, replicated)
+    args = (
+        _abstract(fns.params, replicated),
+        _abstract(fns.rest, replicated),
+        opt_state,
+        _abstract(spec.inputs, sharded),
+    )
+    compiled = jax.jit(fns._forward).lower(*args).compile()
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        spec.record,
+        compiled.output_shardings[2],
+    )
