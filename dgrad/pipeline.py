@@ -355,9 +355,7 @@ class Pipeline:
             if k > 0:
                 cotangents[k - 1] = sent
             if k < last:
-                message = Message(
-                    message.batch, self._move(y, k, k + 1), self._move(message.labels, k, k + 1)
-                )
+                message = Message(message.batch, *self._move((y, message.labels), k, k + 1))
                 if unlocked:
                     activations[k + 1] = message
         return state.replace(

@@ -274,16 +274,21 @@ class Placement:
         """`tree` (placed on stage `src`'s group) placed alike on stage `dst`'s group."""
         if self.groups[src] == self.groups[dst]:
             return tree
+        source, target = self.groups[src], self.groups[dst]
+        if all(d.process_index == self._process for d in source + target):
+            leaves, treedef = jax.tree.flatten(tree)
+            shardings = [self._target_sharding(leaf, dst) for leaf in leaves]
+            return treedef.unflatten(jax.device_put(leaves, shardings))  # one batched transfer
         return jax.tree.map(lambda leaf: self._move_leaf(leaf, src, dst), tree)
 
+    def _target_sharding(self, leaf, dst):
+        return self.sharded(dst) if _split(leaf) else self.replicated(dst)
+
     def _move_leaf(self, leaf, src, dst):
+        """One array to another process's devices (one group spanning processes)."""
         source, target = self.groups[src], self.groups[dst]
-        split = isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec != P()
-        sharding = self.sharded(dst) if split else self.replicated(dst)
-        spec = P("data") if split else P()
-        here = self._process
-        if all(d.process_index == here for d in source + target):
-            return jax.device_put(leaf, sharding)
+        sharding = self._target_sharding(leaf, dst)
+        spec = P("data") if _split(leaf) else P()
         if all(a.process_index == b.process_index for a, b in zip(source, target)):
             pieces = [
                 jax.device_put(leaf.addressable_data(i), target[source.index(shard.device)])
@@ -293,6 +298,11 @@ class Placement:
                 leaf.shape, sharding, pieces, dtype=leaf.dtype
             )
         return _hop(leaf, source, target, spec, sharding)
+
+
+def _split(leaf) -> bool:
+    """Whether `leaf` is split along the batch over its group (else it is whole on each device)."""
+    return isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec != P()
 
 
 def _place(leaf, sharding):

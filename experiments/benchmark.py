@@ -204,7 +204,7 @@ def main(argv=None):
     baseline = next(c for c in cases if c.name == "bp fused")
     columns = (
         "| configuration | K | D | samples/s median [min-max] | x fused BP [min-max] | "
-        "host ms/step | cores busy | device busy % | state MiB per device |"
+        "host CPU ms/step | cores busy | device busy % | state MiB per device |"
     )
     print()
     print(columns)
