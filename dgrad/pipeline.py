@@ -39,8 +39,8 @@ from dgrad.options import Options
 from dgrad.placement import Placement, share
 from dgrad.probe import Probe
 from dgrad.schedule import Schedule
-from dgrad.stage import LossFn, Residuals, StageFunctions
-from dgrad.state import Message, PipelineState, StageState, shape_dtype, stage_specs, structure
+from dgrad.stage import LossFn, Residuals, StageFunctions, shape_dtype
+from dgrad.state import Message, PipelineState, StageState, stage_specs, structure
 
 
 def _split_batch(batch):

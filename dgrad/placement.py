@@ -3,11 +3,11 @@
 A pipeline of K stages with D data-parallel replicas gives stage k a group of
 D devices, a `jax.sharding.Mesh` with one axis, `data`. On its group a stage's
 parameters, non-parameter state, optimizer state and stashed weights are
-replicated (`replicated(k)`); batches, activations, cotangents, kept inputs and
-kept residuals with a batch axis are split along it (`sharded(k)`). Jitted functions over these
-arrays compute the mean gradient over the whole batch and BatchNorm statistics
-of the whole batch: XLA inserts the all-reduces, so the numbers do not depend
-on D.
+replicated (`replicated(k)`); batches, activations, cotangents, kept inputs
+and kept residuals with a batch axis are split along it (`sharded(k)`). Jitted
+functions over these arrays compute the mean gradient over the whole batch and
+BatchNorm statistics of the whole batch: XLA inserts the all-reduces, so the
+numbers do not depend on D.
 
 Under `jax.distributed` the groups may span processes. Every process runs the
 same program; a function whose arrays live on other processes' devices returns

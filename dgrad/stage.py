@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
@@ -79,6 +80,11 @@ class StashedInputs:
 
 
 Record = Residuals | Inputs | StashedInputs
+
+
+def shape_dtype(a) -> jax.ShapeDtypeStruct:
+    """`a`'s shape and dtype (an array, a tracer, or a Python or NumPy scalar)."""
+    return jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a))
 
 
 def _graphdef_in_mode(module: nnx.Module, train: bool):
@@ -170,8 +176,7 @@ class StageFunctions:
 
     def _vjp_shapes(self, params, rest, x, batch_size=None):
         """The VJP of a forward of `x` (with `batch_size` rows, default x's) as shapes."""
-        shape_of = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
-        params, rest, x = jax.tree.map(shape_of, (params, rest, x))
+        params, rest, x = jax.tree.map(shape_dtype, (params, rest, x))
         if batch_size is not None:
             x = x.update(shape=(batch_size, *x.shape[1:]))
         return jax.eval_shape(lambda p, r, h: self._vjp(p, r, h)[1], params, rest, x)
@@ -183,6 +188,8 @@ class StageFunctions:
         is batch-major when its first axis is the batch's in a forward of this
         batch and of one twice its size (a weight of that length stays whole).
         """
+        if self.sharded is None or len(self.sharded.device_set) == 1:
+            return residuals  # nothing to split
         rows = jnp.shape(x)[0]
         twice = jax.tree.leaves(self._vjp_shapes(params, rest, x, 2 * rows))
         return [

@@ -15,7 +15,6 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from dgrad.placement import Placement
@@ -94,10 +93,6 @@ class StageSpec:
     outputs: jax.ShapeDtypeStruct | None  # None for the last stage
     record: Record | None  # of ShapeDtypeStructs; None for the last stage
     residual_treedef: Any = None  # see StageFunctions.residual_treedef
-
-
-def shape_dtype(a) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a))
 
 
 def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageSpec]:
