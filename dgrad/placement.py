@@ -249,8 +249,8 @@ class Placement:
 
     def put(self, tree, k: int):
         """A copy of `tree` replicated on stage k's devices (every process passes the same)."""
-        sharding = self.replicated(k)
-        return jax.tree.map(lambda leaf: _place(leaf, sharding), tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        return treedef.unflatten(_place(leaves, self.replicated(k)))
 
     def put_batch(self, tree, k: int):
         """`tree`'s arrays split along their first axis over stage k's devices.
@@ -261,12 +261,15 @@ class Placement:
         """
         sharding = self.sharded(k)
 
-        def put(leaf):
-            if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
-                return leaf
-            return _place(leaf, sharding)
+        def placed(leaf):
+            is_array = isinstance(leaf, jax.Array)
+            return is_array and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
 
-        return jax.tree.map(put, tree)
+        leaves, treedef = jax.tree.flatten(tree)
+        missing = [i for i, leaf in enumerate(leaves) if not placed(leaf)]
+        for i, copy in zip(missing, _place([leaves[i] for i in missing], sharding)):
+            leaves[i] = copy
+        return treedef.unflatten(leaves)
 
     # -------------------------------------------------------------- moving
 
@@ -305,11 +308,15 @@ def _split(leaf) -> bool:
     return isinstance(leaf.sharding, NamedSharding) and leaf.sharding.spec != P()
 
 
-def _place(leaf, sharding):
+def _place(leaves: list, sharding) -> list:
+    """Copies of `leaves` placed by `sharding` (in one transfer within a process)."""
     if jax.process_count() == 1 or sharding.is_fully_addressable:
-        return jax.device_put(leaf, sharding, may_alias=False)
-    host = np.asarray(jax.device_get(leaf))
-    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i], dtype=host.dtype)
+        return jax.device_put(leaves, sharding, may_alias=False)
+    hosts = [np.asarray(jax.device_get(leaf)) for leaf in leaves]
+    return [
+        jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i], dtype=host.dtype)
+        for host in hosts
+    ]
 
 
 def _local_placeholder(shape, dtype, sharding):

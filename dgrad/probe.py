@@ -72,23 +72,23 @@ class Probe:
         current weights of every stage: the fresh gradient itself), and the weights of its
         batch's forward (NaN where the stage does not keep them)."""
         pipe = self.pipe
-        stage, last, calls = state.stages[k], pipe.num_stages - 1, pipe._calls[k]
+        stage, last, fns = state.stages[k], pipe.num_stages - 1, pipe.stages[k]
         if pipe.method == "dgl" and k < last:
             if k == 0:
                 x, labels = pipe.placement.move(known[batch], 0, k)
             else:
                 x, labels = state.activations[k].value, state.activations[k].labels
-            return calls["aux_gradient"](stage.params, stage.rest, x, labels), stage.params
+            return fns.aux_gradient(stage.params, stage.rest, x, labels), stage.params
         if k == last:
             message = state.activations[k]
             if message is None:  # its input is this step's forward at the current weights
                 return None, stage.params
-            grads = calls["loss_gradient"](stage.params, stage.rest, message.value, message.labels)
+            grads = fns.loss_gradient(stage.params, stage.rest, message.value, message.labels)
             return grads, stage.params
         if not stage.kept_batches or stage.kept_batches[0] != batch:  # bp: this step's forward
             return None, stage.params
         record, received = stage.kept[0], state.cotangents[k]
-        grads = calls["gradient"](
+        grads = fns.gradient(
             record, stage.params, stage.rest, received.value, pipe.specs[k].residual_treedef
         )
         forward_weights = getattr(record, "params", None)

@@ -45,8 +45,8 @@ class ReferenceRun:
 
     Attributes:
       history: `history[k][t]`, stage k's parameters at the start of iteration t
-        (t = 0 .. T).
-      rests: each stage's final non-parameter state (BatchNorm statistics).
+        (t = 0 .. T), as plain nested dicts of arrays like a pipeline's.
+      rests: each stage's final non-parameter state (BatchNorm statistics), alike.
       losses: `losses[t]`, the loss the last stage took in iteration t (None
         while an FDG pipeline fills).
       gradient_batches: `gradient_batches[k][t]`, the batch whose gradient stage
@@ -57,6 +57,14 @@ class ReferenceRun:
     rests: list[Any]
     losses: list[Any]
     gradient_batches: list[list[int | None]]
+
+    def __post_init__(self):
+        is_state = lambda node: isinstance(node, nnx.State)  # noqa: E731
+        self.history, self.rests = jax.tree.map(
+            lambda node: nnx.to_pure_dict(node) if is_state(node) else node,
+            (self.history, self.rests),
+            is_leaf=is_state,
+        )
 
     @property
     def params(self) -> list[Any]:

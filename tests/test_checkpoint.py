@@ -3,11 +3,20 @@ fresh pipeline (on the same or another device layout, or number of replicas) con
 as if it had never stopped."""
 
 import os
+import pathlib
 import shutil
 
 import jax
 import pytest
-from helpers import assert_close, assert_equal, batches, build_pipeline, build_stages, optimizer
+from helpers import (
+    SMOOTH_OPTIMIZER,
+    assert_close,
+    assert_equal,
+    batches,
+    build_pipeline,
+    build_stages,
+    optimizer,
+)
 
 import dgrad
 from dgrad.train.checkpoint import Checkpointer
@@ -88,6 +97,21 @@ def test_resume_with_another_number_of_replicas(tmp_path, model, saved_with, res
     fresh = build_pipeline(model, 2, data_parallel=resumed_with, **options)
     state = restored(tmp_path, fresh, data)
     assert len(jax.tree.leaves(state.stages[0].params)[0].devices()) == resumed_with
+    assert_close(run(fresh, state, data[SAVE_AT:]), uninterrupted, rtol=1e-4, atol=1e-5)
+
+
+def test_resumes_a_checkpoint_written_when_weights_were_nnx_variables(tmp_path):
+    """Until 60ad569 a state held `nnx.Variable`s, whose arrays a checkpoint keeps one
+    level deeper (under `value`); such a run resumes where it stopped."""
+    written = pathlib.Path(__file__).parent / "data" / "checkpoint_with_variables"
+    shutil.copytree(written, tmp_path / "run")
+    options = dict(method="fdg", beta=0.7, optimizer=SMOOTH_OPTIMIZER)
+    data = batches("cnn", STEPS)
+    pipe = build_pipeline("cnn", 2, devices=jax.devices()[:2], **options)
+    uninterrupted = run(pipe, pipe.init(data[0]), data)
+    fresh = build_pipeline("cnn", 2, devices=jax.devices()[2:4], **options)
+    state = restored(tmp_path / "run", fresh, data)
+    assert [len(s.kept) for s in state.stages] == [2, 0] and state.activations[1].batch == 4
     assert_close(run(fresh, state, data[SAVE_AT:]), uninterrupted, rtol=1e-4, atol=1e-5)
 
 

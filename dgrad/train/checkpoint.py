@@ -117,10 +117,12 @@ class Checkpointer:
         target = pipe.state_structure(meta["step"])
         self._check_parameters(meta["step"], target)
         stored = jax.tree.map(placement.shared_target, target)
+        saved = self._manager.item_metadata(meta["step"])["state"].tree
+        as_saved, back = _as_saved(stored, saved)
         restored = self._manager.restore(
-            meta["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(stored))
+            meta["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(as_saved))
         )["state"]
-        return placement.unshare(restored, target), meta["extra"]
+        return placement.unshare(back(restored), target), meta["extra"]
 
     def _check_parameters(self, step: int, target: PipelineState) -> None:
         """Stage parameters in the checkpoint must match the pipeline's (a clear error)."""
@@ -144,6 +146,38 @@ class Checkpointer:
                 f"{self.directory} (found steps {self.all_steps()})."
             )
         return step
+
+
+def _path(keys) -> tuple[str, ...]:
+    """A key path as orbax names it: every key a string."""
+    return tuple(
+        str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key)))) for key in keys
+    )
+
+
+def _as_saved(stored, saved):
+    """`stored` (the target) in the shape of the `saved` metadata tree, and the function
+    that maps what orbax restores in that shape back to `stored`'s.
+
+    Checkpoints written while dgrad held weights as `nnx.Variable`s have each weight
+    one level deeper, under `value`; they restore into today's plain dicts.
+    """
+    paths, treedef = jax.tree_util.tree_flatten_with_path(stored)
+    wanted = {_path(keys): leaf for keys, leaf in paths}
+    owner = {}  # saved path -> the target's path of that array
+    for keys, _ in jax.tree_util.tree_flatten_with_path(saved)[0]:
+        path = _path(keys)
+        owner[path] = path if path in wanted or path[-1] != "value" else path[:-1]
+    if all(path == own for path, own in owner.items()) or sorted(owner.values()) != sorted(wanted):
+        return stored, lambda restored: restored  # current, or orbax names what differs
+    as_saved = jax.tree_util.tree_map_with_path(lambda keys, _: wanted[owner[_path(keys)]], saved)
+    saved_at = {own: path for path, own in owner.items()}
+
+    def back(restored):
+        at = {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
+        return treedef.unflatten([at[saved_at[path]] for path in wanted])
+
+    return as_saved, back
 
 
 def _stage_params(saved, k: int):
