@@ -115,28 +115,14 @@ class Checkpointer:
                 f"{pipe.num_stages}; resume with the same number of stages."
             )
         target = pipe.state_structure(meta["step"])
-        self._check_parameters(meta["step"], target)
-        stored = jax.tree.map(placement.shared_target, target)
         saved = self._manager.item_metadata(meta["step"])["state"].tree
+        _check_parameters(saved, target)
+        stored = jax.tree.map(placement.shared_target, target)
         as_saved, back = _as_saved(stored, saved)
         restored = self._manager.restore(
             meta["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(as_saved))
         )["state"]
         return placement.unshare(back(restored), target), meta["extra"]
-
-    def _check_parameters(self, step: int, target: PipelineState) -> None:
-        """Stage parameters in the checkpoint must match the pipeline's (a clear error)."""
-        saved = self._manager.item_metadata(step)["state"]
-        for k, stage in enumerate(target.stages):
-            expected = [tuple(a.shape) for a in jax.tree.leaves(stage.params)]
-            found = [tuple(np.shape(a)) for a in jax.tree.leaves(_stage_params(saved, k))]
-            if found != expected:
-                raise ValueError(
-                    f"Stage {k}'s parameters in the checkpoint ({len(found)} arrays) do not match "
-                    f"this pipeline's ({len(expected)} arrays, or other shapes): the checkpoint "
-                    "is of another model or split. Resume with the configuration it was written "
-                    "with."
-                )
 
     def _require(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step
@@ -146,6 +132,20 @@ class Checkpointer:
                 f"{self.directory} (found steps {self.all_steps()})."
             )
         return step
+
+
+def _check_parameters(saved, target: PipelineState) -> None:
+    """Stage parameters in the `saved` tree must match the pipeline's (a clear error)."""
+    for k, stage in enumerate(target.stages):
+        expected = [tuple(a.shape) for a in jax.tree.leaves(stage.params)]
+        found = [tuple(np.shape(a)) for a in jax.tree.leaves(saved["stages"][k]["params"])]
+        if found != expected:
+            raise ValueError(
+                f"Stage {k}'s parameters in the checkpoint ({len(found)} arrays) do not match "
+                f"this pipeline's ({len(expected)} arrays, or other shapes): the checkpoint "
+                "is of another model or split. Resume with the configuration it was written "
+                "with."
+            )
 
 
 def _path(keys) -> tuple[str, ...]:
@@ -178,8 +178,3 @@ def _as_saved(stored, saved):
         return treedef.unflatten([at[saved_at[path]] for path in wanted])
 
     return as_saved, back
-
-
-def _stage_params(saved, k: int):
-    """Stage k's parameter metadata in orbax's tree of a saved `PipelineState`."""
-    return saved.tree["stages"][k]["params"]
