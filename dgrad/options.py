@@ -174,11 +174,6 @@ class Options:
         """Whether the method has gradient shrinking (FDG)."""
         return self.method == "fdg"
 
-    @property
-    def keeps_weights(self) -> bool:
-        """Whether kept records hold the weights of their forward (delayed methods, stash)."""
-        return self.method in ("ddg", "fdg") and self.weights == "stash"
-
     @classmethod
     def help(cls) -> dict[str, str]:
         """Each option's description, by name."""

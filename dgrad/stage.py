@@ -47,6 +47,7 @@ import numpy as np
 import optax
 from flax import nnx, struct
 
+from dgrad.optim.compensation import reads_stale_params
 from dgrad.optim.prediction import predict_weights
 from dgrad.options import Options
 
@@ -57,7 +58,12 @@ LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]
 class Residuals:
     """The leaves of the forward's VJP, and the weights that forward used.
 
-    The VJP is rebuilt from its leaves with the stage's `residual_treedef`.
+    The VJP is rebuilt from its leaves with the stage's `residual_treedef`; its
+    leaves hold whatever the backward needs of the weights. `params` is kept for
+    the update's `stale_params` only where the stage's optimizer reads them
+    (`dgrad.optim.reads_stale_params`, e.g. delay compensation) or the probe
+    measures how far the weights moved; else it is None, which saves a copy of
+    the weights per kept batch.
     """
 
     residuals: list
@@ -156,15 +162,17 @@ class StageFunctions:
         self.options, self.first, self.loss_fn = options, first, loss_fn
         self.predict_ahead = staleness if options.predict_lr is not None else 0
         self.replicated, self.sharded = replicated, sharded
-        # Records holding the weights of their forward must outlive the update
-        # that replaces those weights, so only then are parameters kept.
-        donated_params = () if options.keeps_weights else (0,)
+        self.keeps_forward_weights = options.probe_every is not None or reads_stale_params(
+            self.optimizer, self.params
+        )
+        # A jitted call's outputs never share buffers with its arguments, so the
+        # records a stage keeps survive the donation of the weights they came from.
         self._jit_options = {
             "forward": {},
-            "step": {"donate_argnums": donated_params + (2,), "static_argnums": (6,)},
-            "backward_update": {"donate_argnums": donated_params + (2,), "static_argnums": (5,)},
-            "loss_step": {"donate_argnums": (0, 2)},  # the last stage's weights are never kept
-            "aux_step": {"donate_argnums": (0, 2)},  # DGL keeps no weights either
+            "step": {"donate_argnums": (0, 2), "static_argnums": (6,)},
+            "backward_update": {"donate_argnums": (0, 2), "static_argnums": (5,)},
+            "loss_step": {"donate_argnums": (0, 2)},
+            "aux_step": {"donate_argnums": (0, 2)},
             "predict": {},
             "gradient": {"static_argnums": (4,)},
             "loss_gradient": {},
@@ -264,7 +272,7 @@ class StageFunctions:
         else:
             y, vjp, new_rest = self._vjp(params, rest, x)
             residuals = self._split_like_the_batch(jax.tree.leaves(vjp), params, rest, x)
-            record = Residuals(residuals, params)
+            record = Residuals(residuals, params if self.keeps_forward_weights else None)
         return _constrain(y, self.sharded), _constrain(new_rest, self.replicated), record
 
     def _backward(self, record: Record, params, rest, cotangent, treedef):

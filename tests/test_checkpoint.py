@@ -115,6 +115,43 @@ def test_resumes_a_checkpoint_written_when_weights_were_nnx_variables(tmp_path):
     assert_close(run(fresh, state, data[SAVE_AT:]), uninterrupted, rtol=1e-4, atol=1e-5)
 
 
+def test_resumes_a_checkpoint_whose_records_stashed_weights_nothing_reads(tmp_path):
+    """Until the records kept only weights that an update reads, every record stashed
+    its forward's weights; such a checkpoint resumes, drops them and continues exactly."""
+    data = batches("mlp", STEPS)
+    pipe = build_pipeline("mlp", 3, devices=jax.devices()[:3], method="fdg")
+    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
+
+    def stashing(stage):  # weights unlike any the run holds, so a mix-up would show
+        weights = jax.tree.map(lambda w: w + 1.0, stage.params)
+        return stage.replace(kept=tuple(r.replace(params=weights) for r in stage.kept))
+
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(
+            state.replace(stages=tuple(map(stashing, state.stages))), {"note": "mid-run"}
+        )
+    uninterrupted = jax.device_get(run(pipe, state, data[SAVE_AT:]))
+    fresh = build_pipeline("mlp", 3, devices=jax.devices()[3:], method="fdg")
+    resumed = restored(tmp_path, fresh, data)
+    assert [len(s.kept) for s in resumed.stages] == [4, 2, 0]
+    assert all(r.params is None for s in resumed.stages for r in s.kept)
+    assert_equal(run(fresh, resumed, data[SAVE_AT:]), uninterrupted)
+
+
+def test_a_pipeline_that_keeps_weights_refuses_records_without_them(tmp_path):
+    data = batches("mlp", 3)
+    pipe = build_pipeline("mlp", 2, method="fdg")
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(run(pipe, pipe.init(data[0]), data))
+    probed = build_pipeline("mlp", 2, method="fdg", probe_every=5)
+    probed.init(data[0])
+    with (
+        Checkpointer(tmp_path) as checkpoints,
+        pytest.raises(ValueError, match="records hold none"),
+    ):
+        checkpoints.restore(probed)
+
+
 @pytest.mark.slow
 def test_fused_backprop_resumes_bit_identically(tmp_path):
     data, uninterrupted = saved_and_continued(tmp_path, "cnn", 1, method="bp", fused=True)

@@ -19,6 +19,7 @@ from helpers import (
 
 import dgrad
 from dgrad import models
+from dgrad.benchmark import state_bytes_per_device
 
 SLOW = pytest.mark.slow
 
@@ -244,3 +245,29 @@ def test_nonfinite_loss_is_flagged():
     state, _ = pipe.step(state, data[2])
     with pytest.raises(FloatingPointError, match="NaN or infinite"):
         pipe.check_finite(state)
+
+
+@pytest.mark.parametrize("method, memory", [("fdg", "residuals"), ("ddg", "dots")])
+def test_kept_records_hold_the_weights_only_where_something_reads_them(method, memory):
+    """The VJP's leaves hold what the backward needs; a copy of the weights per kept
+    batch is kept only for an update that reads `stale_params` or for the probe."""
+    compensated = optax.chain(dgrad.optim.delay_compensation(0.5), optax.sgd(0.05))
+    states = {}
+    for name, options in [
+        ("plain", dict(optimizer=optax.sgd(0.05))),
+        ("compensated", dict(optimizer=compensated)),
+        ("probed", dict(optimizer=optax.sgd(0.05), probe_every=100)),
+    ]:
+        _, states[name], _ = run_pipeline(
+            "mlp", 3, steps=4, method=method, memory=memory, **options
+        )
+    plain, compensated, probed = (states[n].stages[0] for n in ("plain", "compensated", "probed"))
+    assert plain.kept and all(record.params is None for record in plain.kept)
+    for stage in (compensated, probed):
+        assert all(
+            jax.tree.structure(record.params) == jax.tree.structure(stage.params)
+            for record in stage.kept
+        )
+    weights = sum(a.nbytes for a in jax.tree.leaves(plain.params))
+    held = [sum(state_bytes_per_device(s).values()) for s in (plain, probed)]
+    assert held[1] - held[0] == len(plain.kept) * weights

@@ -136,6 +136,36 @@ def test_delay_compensation_needs_stale_params():
         tx.update(jnp.ones(1), tx.init(jnp.ones(1)), jnp.ones(1))
 
 
+def test_reads_stale_params_finds_the_transforms_that_use_them():
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    ignores = [
+        optax.sgd(0.1, momentum=0.9),
+        optax.adamw(1e-3),
+        optim.async_nesterov(0.1, delay=2, num_stages=3),
+        optim.delay(optax.sgd(0.1), tau=2),
+    ]
+    assert not any(optim.reads_stale_params(tx, params) for tx in ignores)
+    assert not optim.reads_stale_params(optax.sgd(0.1), {})  # a stage without weights
+
+    def clipped_update(updates, state, params=None, *, stale_params=None, **extra_args):
+        moved = jax.tree.map(lambda now, old: jnp.abs(now - old) > 1.0, params, stale_params)
+        return jax.tree.map(lambda g, m: jnp.where(m, 0.0, g), updates, moved), state
+
+    def ignoring_update(updates, state, params=None, *, stale_params=None, **extra_args):
+        return updates, state
+
+    def transform(update):
+        return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
+
+    reads = [
+        optim.delay_compensation(0.5),
+        optax.chain(optax.add_decayed_weights(5e-4), optim.delay_compensation(0.0, adaptive=True)),
+        optax.chain(transform(clipped_update), optax.sgd(0.1)),
+    ]
+    assert all(optim.reads_stale_params(tx, params) for tx in reads)
+    assert not optim.reads_stale_params(transform(ignoring_update), params)
+
+
 @pytest.mark.parametrize("method,memory", [("ddg", "residuals"), ("fdg", "recompute")])
 def test_delay_compensation_in_the_engine_matches_the_reference(method, memory):
     K = 3

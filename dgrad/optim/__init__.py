@@ -5,7 +5,8 @@
   (stale-gradient SGD, DDG); `staged_delay(opt, method, K)` gives each stage of
   a list of per-stage parameters its BP/DDG/FDG weight staleness.
 - `delay_compensation(lam, adaptive=False)`: g + lam * g * g * (w_now - w_stale)
-  (DC-ASGD, Zheng et al. 2017).
+  (DC-ASGD, Zheng et al. 2017); `reads_stale_params(tx, params)` says whether a
+  transform reads the `stale_params` it is passed.
 - `predict_weights(params, opt_state, tau, lr)`: w - tau * lr * momentum
   (SpecTrain, Chen et al. 2018; PipeMare, Yang et al. 2021).
 - `pipemare_rescale(tau, horizon)`: step scaled by tau**(-p_t), p_t from 1 to 0 (PipeMare).
@@ -27,7 +28,11 @@ In a pipeline, pass them per stage: `Pipeline(..., optimizer=lambda k: ...)`.
 Array([0.40000004, 0.8000001 ], dtype=float32)
 """
 
-from dgrad.optim.compensation import DelayCompensationState, delay_compensation
+from dgrad.optim.compensation import (
+    DelayCompensationState,
+    delay_compensation,
+    reads_stale_params,
+)
 from dgrad.optim.delay import (
     DelayState,
     delay,
@@ -62,6 +67,7 @@ __all__ = [
     "pipeline_delays",
     "pipemare_rescale",
     "predict_weights",
+    "reads_stale_params",
     "scale_by_async_nesterov",
     "shrink",
     "stage_labels",

@@ -5,7 +5,8 @@ the current weights with a cheap diagonal Hessian approximation:
 `g + lambda * g * g * (w_now - w_stale)`. The adaptive variant divides lambda
 by the root of a running mean of `g * g`. The stale weights come in as the
 keyword argument `stale_params` (the pipeline passes the weights the batch's
-forward used).
+forward used, and keeps them for the delayed update only where
+`reads_stale_params` says the update reads them).
 """
 
 from __future__ import annotations
@@ -67,3 +68,31 @@ def delay_compensation(
         return updates, DelayCompensationState(mean_square)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def reads_stale_params(optimizer: optax.GradientTransformation, params) -> bool:
+    """Whether `optimizer.update` reads its `stale_params` keyword argument.
+
+    Traced once on `params`' shapes: true when any operation of the update
+    takes one of the stale weights (delay compensation does; plain optax
+    transforms never see them).
+
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.zeros(3)}
+    >>> reads_stale_params(optax.sgd(0.1), params)
+    False
+    >>> reads_stale_params(optax.chain(delay_compensation(0.5), optax.sgd(0.1)), params)
+    True
+    """
+    optimizer = optax.with_extra_args_support(optimizer)
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
+
+    def update(grads, state, params, stale_params):
+        return optimizer.update(grads, state, params, stale_params=stale_params)
+
+    state = jax.eval_shape(optimizer.init, shapes)
+    jaxpr = jax.make_jaxpr(update)(shapes, state, shapes, shapes).jaxpr
+    count = len(jax.tree.leaves(shapes))
+    stale = {id(v) for v in jaxpr.invars[len(jaxpr.invars) - count :]}
+    read = [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars)
+    return any(id(v) in stale for v in read)

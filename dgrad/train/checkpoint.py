@@ -159,22 +159,52 @@ def _as_saved(stored, saved):
     """`stored` (the target) in the shape of the `saved` metadata tree, and the function
     that maps what orbax restores in that shape back to `stored`'s.
 
-    Checkpoints written while dgrad held weights as `nnx.Variable`s have each weight
-    one level deeper, under `value`; they restore into today's plain dicts.
+    Two kinds of older checkpoints restore into today's state:
+    - written while dgrad held weights as `nnx.Variable`s: each weight is one level
+      deeper, under `value`;
+    - written while every kept record stashed the weights of its forward: a record's
+      `params` that the target does not keep (nothing reads them, see
+      `dgrad.stage.Residuals`) are read like the stage's weights and dropped.
     """
     paths, treedef = jax.tree_util.tree_flatten_with_path(stored)
     wanted = {_path(keys): leaf for keys, leaf in paths}
-    owner = {}  # saved path -> the target's path of that array
+
+    def target_of(path):  # the target's path that receives `path`'s array
+        for candidate in (path, path[:-1] if path[-1] == "value" else None):
+            if candidate in wanted:
+                return candidate
+        return None
+
+    owner, dropped = {}, {}  # saved path -> the target's path of that array
     for keys, _ in jax.tree_util.tree_flatten_with_path(saved)[0]:
         path = _path(keys)
-        owner[path] = path if path in wanted or path[-1] != "value" else path[:-1]
-    if all(path == own for path, own in owner.items()) or sorted(owner.values()) != sorted(wanted):
+        owner[path] = target_of(path)
+        if owner[path] is None and _is_stashed_weight(path):
+            dropped[path] = target_of(("stages", path[1], "params", *path[5:]))
+        if owner[path] is None and dropped.get(path) is None:
+            return stored, lambda restored: restored  # orbax names what differs
+    missing = set(wanted) - set(owner.values())
+    if any(map(_is_stashed_weight, missing)):
+        raise ValueError(
+            "This pipeline keeps the weights of each kept batch's forward, but the "
+            "checkpoint's records hold none (it was saved with another weights policy, "
+            "probe_every or optimizer; only delay compensation reads them): resume with "
+            "the options the run was saved with."
+        )
+    if missing or (not dropped and all(path == own for path, own in owner.items())):
         return stored, lambda restored: restored  # current, or orbax names what differs
-    as_saved = jax.tree_util.tree_map_with_path(lambda keys, _: wanted[owner[_path(keys)]], saved)
-    saved_at = {own: path for path, own in owner.items()}
+    as_saved = jax.tree_util.tree_map_with_path(
+        lambda keys, _: wanted[owner[_path(keys)] or dropped[_path(keys)]], saved
+    )
+    saved_at = {own: path for path, own in owner.items() if own is not None}
 
     def back(restored):
         at = {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
         return treedef.unflatten([at[saved_at[path]] for path in wanted])
 
     return as_saved, back
+
+
+def _is_stashed_weight(path) -> bool:
+    """Whether `path` is inside the weights a stage's kept record stashed."""
+    return len(path) > 5 and path[0] == "stages" and path[2] == "kept" and path[4] == "params"
