@@ -142,7 +142,7 @@ class Pipeline:
         ]
         self._calls = [fns.jitted() for fns in self.stages]
         if fused:
-            self._calls[0]["fused_step"] = jax.jit(self._fused_step, donate_argnums=(0, 2))
+            self._calls[0]["fused_step"] = jax.jit(self._fused_step, donate_argnums=(0, 1, 2))
         self._evaluation_sums = jax.jit(self._evaluation_sums_fn)
         self._probe = Probe(self)
         self.probe_window = self.schedule.longest_wait() if probe_every is not None else 0

@@ -166,13 +166,13 @@ class StageFunctions:
             self.optimizer, self.params
         )
         # A jitted call's outputs never share buffers with its arguments, so the
-        # records a stage keeps survive the donation of the weights they came from.
+        # records a stage keeps survive the donation of the state they came from.
         self._jit_options = {
             "forward": {},
-            "step": {"donate_argnums": (0, 2), "static_argnums": (6,)},
+            "step": {"donate_argnums": (0, 1, 2), "static_argnums": (6,)},
             "backward_update": {"donate_argnums": (0, 2), "static_argnums": (5,)},
-            "loss_step": {"donate_argnums": (0, 2)},
-            "aux_step": {"donate_argnums": (0, 2)},
+            "loss_step": {"donate_argnums": (0, 1, 2)},
+            "aux_step": {"donate_argnums": (0, 1, 2)},
             "predict": {},
             "gradient": {"static_argnums": (4,)},
             "loss_gradient": {},
