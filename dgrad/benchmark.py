@@ -72,8 +72,9 @@ def plain_case(
     model = nnx.Sequential(*stages)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     device = jax.devices()[0]
-    params, rest = jax.device_put((params, rest), device)
-    opt_state = jax.device_put(optimizer.init(params), device)
+    # Copies: the step donates them, and `stages` keeps its own arrays.
+    params, rest = jax.device_put((params, rest), device, may_alias=False)
+    opt_state = jax.device_put(optimizer.init(params), device, may_alias=False)
 
     def train_step(params, rest, opt_state, inputs, labels):
         def loss(params):

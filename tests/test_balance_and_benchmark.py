@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
 from helpers import ROOT, assert_equal, run_command
 
 import dgrad
-from dgrad import balance, models
+from dgrad import balance, benchmark, models
 from dgrad.benchmark import state_bytes_per_device
 from dgrad.timeline import Timeline
 
@@ -61,6 +62,17 @@ def test_memory_of_the_policies():
     assert kept_deep > 2 * kept_shallow
     dots_deep, _ = _kept_bytes(32, "stash", "dots")
     assert dots_deep < kept_deep
+
+
+def test_the_plain_floor_trains_copies_and_leaves_the_modules_alone():
+    stages = models.mlp([6, 16, 3])
+    before = jax.tree.map(lambda a: a.copy(), nnx.state(stages[0]))
+    batch = (jnp.ones((8, 6)), jnp.zeros((8,), jnp.int32))
+    floor = benchmark.plain_case("plain", stages, optax.sgd(0.1), batch)  # 2 donated steps
+    assert_equal(nnx.state(stages[0]), before)  # readable and unchanged
+    trained = jax.tree.leaves(floor.state[0])
+    assert len(trained) == len(jax.tree.leaves(before))
+    assert not all(bool(jnp.array_equal(a, b)) for a, b in zip(trained, jax.tree.leaves(before)))
 
 
 def test_timeline_watches_from_outside_without_changing_numbers(tmp_path):
