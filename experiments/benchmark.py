@@ -52,6 +52,13 @@ def parse_args(argv=None):
         "--timeline", metavar="DIR", help="write a Gantt chart and Perfetto trace of each case"
     )
     parser.add_argument(
+        "--allocator",
+        choices=["steady", "default"],
+        default="steady",
+        help="steady: fix glibc malloc's thresholds so no case is favoured (default); "
+        "default: glibc's moving thresholds (dgrad.benchmark.steady_allocator)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a one-minute check: ResNet-8 (width 8), batch 32, K = 1, 2, 3 rounds of 3 steps",
@@ -92,6 +99,9 @@ def blocks_of(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    from dgrad.benchmark import steady_allocator
+
+    steady = args.allocator == "steady" and steady_allocator()  # before JAX allocates
     import jax
 
     cpu_cores = os.cpu_count() or 1
@@ -120,6 +130,7 @@ def main(argv=None):
     )
     if devices[0].platform == "cpu":
         print(f"# no accelerator: {len(devices)} fake CPU devices sharing {cpu_cores} cores")
+    print(f"# malloc: {'fixed thresholds' if steady else 'as the C library sets it'}")
 
     chain = blocks_of(args)
     costs = chain.costs
