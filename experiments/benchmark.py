@@ -11,6 +11,7 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
     python -m experiments.benchmark --model resnet56 --batch-size 128 --stages 1,2,4
     python -m experiments.benchmark --stages 1,2 --data-parallel 1,2   # K x D layouts
     python -m experiments.benchmark --policies               # FDG's memory policies too
+    python -m experiments.benchmark --allocator default      # glibc's own malloc thresholds
 
 Without an accelerator the stages run on fake CPU devices (one per stage and
 replica), which share the machine's cores; on GPUs it uses the real devices.
