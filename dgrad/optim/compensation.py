@@ -73,7 +73,7 @@ def delay_compensation(
 def reads_stale_params(optimizer: optax.GradientTransformation, params) -> bool:
     """Whether `optimizer.update` reads its `stale_params` keyword argument.
 
-    Traced once on `params`' shapes: true when any operation of the update
+    Traced once on `params` (arrays or shapes): true when any operation of the update
     takes one of the stale weights (delay compensation does; plain optax
     transforms never see them).
 
@@ -85,14 +85,13 @@ def reads_stale_params(optimizer: optax.GradientTransformation, params) -> bool:
     True
     """
     optimizer = optax.with_extra_args_support(optimizer)
-    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), params)
 
     def update(grads, state, params, stale_params):
         return optimizer.update(grads, state, params, stale_params=stale_params)
 
-    state = jax.eval_shape(optimizer.init, shapes)
-    jaxpr = jax.make_jaxpr(update)(shapes, state, shapes, shapes).jaxpr
-    count = len(jax.tree.leaves(shapes))
+    state = jax.eval_shape(optimizer.init, params)
+    jaxpr = jax.make_jaxpr(update)(params, state, params, params).jaxpr
+    count = len(jax.tree.leaves(params))
     stale = {id(v) for v in jaxpr.invars[len(jaxpr.invars) - count :]}
     read = [v for eqn in jaxpr.eqns for v in eqn.invars] + list(jaxpr.outvars)
     return any(id(v) in stale for v in read)

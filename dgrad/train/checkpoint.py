@@ -188,8 +188,7 @@ def _as_saved(stored, saved):
         raise ValueError(
             "This pipeline keeps the weights of each kept batch's forward, but the "
             "checkpoint's records hold none (it was saved with another weights policy, "
-            "probe_every or optimizer; only delay compensation reads them): resume with "
-            "the options the run was saved with."
+            "probe_every or optimizer): resume with the options the run was saved with."
         )
     if missing or (not dropped and all(path == own for path, own in owner.items())):
         return stored, lambda restored: restored  # current, or orbax names what differs
