@@ -55,6 +55,7 @@ def main():
         state, metrics = pipe.step(state, data[t])
         losses.append(share(metrics["loss"]) if metrics else None)
         if args.save_dir and state.step == args.save_at:
+            jax.block_until_ready(losses)  # no gather in flight meets orbax's barriers
             with Checkpointer(args.save_dir) as checkpoints:
                 checkpoints.save(state)
     params = share([s.params for s in state.stages])

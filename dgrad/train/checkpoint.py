@@ -12,7 +12,9 @@ the restoring pipeline, whatever its device layout, number of replicas or
 processes. Each save is atomic (orbax writes into a temporary directory and
 renames it when complete), so a run killed while saving resumes from the last
 complete checkpoint. Under several processes every process calls `save` and
-`restore`; each writes and reads its own shards.
+`restore`; each writes and reads its own shards, and none may have a collective
+in flight (a `dgrad.placement.share` not yet read, say) when it creates, saves or
+restores: orbax's barriers are collectives, and one could pair with it.
 
 >>> import tempfile, jax, jax.numpy as jnp, optax
 >>> import dgrad
@@ -83,10 +85,13 @@ class Checkpointer:
     def save(self, state: PipelineState, extra: dict[str, Any] | None = None) -> None:
         """Saves `state` (and the JSON-able `extra`) as checkpoint number `state.step`."""
         meta = {"step": state.step, "num_stages": len(state.stages), "extra": extra or {}}
+        # orbax's barriers are collectives too: the gathers of `share` finish first, so
+        # that no process pairs one of them with a barrier.
+        shared = jax.block_until_ready(placement.share(state))
         self._manager.save(
             state.step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(placement.share(state)), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(shared), meta=ocp.args.JsonSave(meta)
             ),
             force=True,
         )
