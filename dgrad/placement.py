@@ -267,6 +267,8 @@ class Placement:
 
         leaves, treedef = jax.tree.flatten(tree)
         missing = [i for i, leaf in enumerate(leaves) if not placed(leaf)]
+        if not missing:  # even an empty `device_put` costs the host a few microseconds
+            return tree
         for i, copy in zip(missing, _place([leaves[i] for i in missing], sharding)):
             leaves[i] = copy
         return treedef.unflatten(leaves)
