@@ -92,6 +92,37 @@ def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(tmp_path, monk
     assert_equal(cut, whole)
 
 
+def test_the_loop_reads_a_steps_metrics_after_the_next_is_dispatched(tmp_path, monkeypatch):
+    """Only evaluation and saving (epoch ends, every 5 steps) wait for the step just
+    dispatched; a log step's record (every 3) is written one step later, the same."""
+    from dgrad.train import loop
+
+    step_of, dispatched, reads = {}, [0], []
+    original_step, original_add = dgrad.Pipeline.step, loop.Tally.add
+
+    def step(self, state, batch):
+        state, step_metrics = original_step(self, state, batch)
+        dispatched[0] = state.step
+        if "loss" in step_metrics:
+            step_of[id(step_metrics["loss"])] = state.step
+        return state, step_metrics
+
+    def add(self, reported):
+        if "loss" in reported:
+            reads.append((dispatched[0], step_of[id(reported["loss"])]))
+        return original_add(self, reported)
+
+    monkeypatch.setattr(dgrad.Pipeline, "step", step)
+    monkeypatch.setattr(loop.Tally, "add", add)
+    config = small_config(method="bp")
+    train(config, tmp_path / "run", devices=jax.devices()[:2], log=quiet)
+    waited = sorted(latest for latest, read in reads if read == latest)
+    assert waited == [5, 8, 10, 15, 16]  # the save steps, epoch ends among them
+    assert sorted(read for _, read in reads) == list(range(1, 17))  # each step read once
+    logged = [r["step"] for r in records(tmp_path / "run", "bp_k2") if r["kind"] == "train"]
+    assert logged == [3, 6, 8, 9, 12, 15, 16]
+
+
 def test_a_stop_during_a_save_keeps_the_checkpoint_whole(tmp_path, monkeypatch):
     original = Checkpointer.save
 

@@ -206,13 +206,23 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
         # that all of them save the same step (`log_every_steps` bounds the wait).
         vote, one_process = StopVote(ctx.run.label), jax.process_count() == 1
         last_loss, epoch_start = None, time.perf_counter()
+
+        def write_interval(step):
+            interval = tally.take_interval()
+            if interval and writer is not None:
+                writer.write({"kind": "train", "step": step, **interval})
+
         reported = None  # the last step's metrics, read after the next step is dispatched
+        log_step = None  # a log step whose record waits for its metrics, read one step behind
         with progress:
             for batch in stream.iterate(state.step, total):
                 state, step_metrics = pipe.step(state, batch)
                 if reported is not None:
                     last_loss = tally.add(reported).get("loss", last_loss)
                     write_probe(writer, reported)
+                if log_step is not None:
+                    write_interval(log_step)
+                    log_step = None
                 reported = share(step_metrics)
                 step = state.step
                 progress.update(step, last_loss)
@@ -223,15 +233,15 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                 )
                 due = epoch_end or log_due or save_due
                 stopping = (due or one_process) and vote.any(ctx.stop.requested is not None)
-                if not (due or stopping):
+                if not (epoch_end or save_due or stopping):
+                    log_step = step if log_due else None
                     continue
+                # Evaluating and saving wait for this step anyway: its metrics are read now.
                 tally.add(reported)
                 write_probe(writer, reported)
                 reported = None
-                if (log_due or epoch_end) and writer is not None:
-                    interval = tally.take_interval()
-                    if interval:
-                        writer.write({"kind": "train", "step": step, **interval})
+                if log_due or epoch_end:
+                    write_interval(step)
                 if epoch_end:
                     pipe.check_finite(state)
                     record = {
