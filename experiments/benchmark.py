@@ -62,13 +62,14 @@ def parse_args(argv=None):
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a one-minute check: ResNet-8 (width 8), batch 32, K = 1, 2, 3 rounds of 3 steps",
+        help="a one-minute check: ResNet-8 (width 8), batch 32, K = 1, 2, 3 rounds of 3 steps, "
+        "balanced split (flags given beside it change those)",
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.model, args.width, args.batch_size = "resnet8", 8, 32
-        args.stages, args.windows, args.steps = args.stages or "1,2", 3, 3
-        args.split = "balanced"
+        quick = dict(model="resnet8", width=8, batch_size=32, stages="1,2", windows=3, steps=3)
+        parser.set_defaults(**quick, split="balanced")
+        args = parser.parse_args(argv)
 
     def numbers(text, name):
         try:

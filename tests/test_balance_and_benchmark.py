@@ -108,6 +108,17 @@ def test_timeline_watches_from_outside_without_changing_numbers(tmp_path):
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_quick_mode_sets_defaults_that_given_flags_change():
+    from experiments.benchmark import parse_args
+
+    quick = parse_args(["--quick"])
+    assert (quick.model, quick.width, quick.batch_size, quick.stages) == ("resnet8", 8, 32, [1, 2])
+    assert (quick.windows, quick.steps, quick.split) == (3, 3, "balanced")
+    given = parse_args(["--quick", "--model=mlp", "--windows=2", "--steps=2", "--split=profiled"])
+    assert (given.model, given.windows, given.steps, given.split) == ("mlp", 2, 2, "profiled")
+    assert given.batch_size == 32
+
+
 @pytest.mark.slow
 def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""
