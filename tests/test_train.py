@@ -144,6 +144,38 @@ def test_a_stop_during_a_save_keeps_the_checkpoint_whole(tmp_path, monkeypatch):
     assert any("resumed from the checkpoint at step 6" in line for line in lines)
 
 
+def test_a_run_killed_before_its_first_checkpoint_or_its_export_resumes_whole(tmp_path):
+    """SIGKILL leaves what was written: records of steps without a checkpoint (they are
+    redone), or a final checkpoint without the exported model and the curves."""
+    import shutil
+
+    config, run = small_config(), "fdg_k2"
+    train(config, tmp_path / "whole", log=quiet)
+    expected = records(tmp_path / "whole", run)
+
+    def exported(workdir):
+        stages = build.build_stages(config, config.num_stages, data.load(config.dataset))
+        return nnx.state(export.load(stages, workdir / run / "model"))
+
+    early = tmp_path / "early"
+    shutil.copytree(tmp_path / "whole", early)
+    shutil.rmtree(early / run / "checkpoints")
+    shutil.rmtree(early / run / "model")
+    metrics.truncate(early / run / "metrics.jsonl", after_step=4)  # before the save at 5
+    train(config, early, log=quiet)
+    assert records(early, run) == expected
+
+    late = tmp_path / "late"
+    shutil.copytree(tmp_path / "whole", late)
+    shutil.rmtree(late / run / "model")
+    (late / "curves.png").unlink()
+    lines = []
+    train(config, late, log=lines.append)
+    assert any("finished earlier, at step 16" in line for line in lines)
+    assert (late / "curves.png").exists() and records(late, run) == expected
+    assert_equal(exported(late), exported(tmp_path / "whole"))
+
+
 def test_a_stop_before_training_leaves_nothing_behind(tmp_path):
     stop = StopRequests()
     stop.request(signal.SIGTERM)

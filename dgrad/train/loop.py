@@ -122,6 +122,9 @@ class RunContext:
 def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
     """The state and tally to continue from: the newest checkpoint's, or a fresh start."""
     if checkpoints.latest_step() is None:
+        path = os.path.join(ctx.run_dir, "metrics.jsonl")
+        if ctx.writes and os.path.exists(path):  # killed before its first checkpoint
+            metrics.truncate(path, after_step=0)
         return ctx.initial, Tally()
     extra = checkpoints.extra()
     changed = fields.differences(extra["config"], config)

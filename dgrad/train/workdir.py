@@ -151,11 +151,12 @@ def total_steps(meta: dict[str, Any]) -> int:
 def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
     """Each run's last epoch record if every run has finished, else None.
 
-    Reads only the runs' checkpoint metadata and metrics files.
+    Reads only the runs' checkpoint metadata and metrics files, and looks for their
+    exported models and the curves (a run killed before its export is not finished).
     """
     from dgrad.train.checkpoint import Checkpointer
 
-    if not plan.resumes:
+    if not plan.resumes or not os.path.exists(os.path.join(plan.path, "curves.png")):
         return None
     records = {}
     for run in runs:
@@ -166,8 +167,8 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
             if checkpoints.latest_step() is None:
                 return None
             meta = checkpoints.meta()
-        if meta["step"] < total_steps(meta):
-            return None
+        if meta["step"] < total_steps(meta) or not os.path.isdir(os.path.join(run_dir, "model")):
+            return None  # stopped before the end, or before the model was exported
         epochs = metrics.read(os.path.join(run_dir, "metrics.jsonl"), "epoch")
         if not epochs:
             return None
