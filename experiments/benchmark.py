@@ -24,6 +24,7 @@ import os
 import platform
 import sys
 
+METHODS = ("ddg", "fdg", "fr", "dgl")
 MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10")
 
 
@@ -83,6 +84,18 @@ def parse_args(argv=None):
     args.stages = numbers(args.stages, "stages") if args.stages else None
     args.data_parallel = numbers(args.data_parallel, "data-parallel")
     args.methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    for name in ("width", "image_size", "batch_size", "windows", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    uneven = [d for d in args.data_parallel if args.batch_size % d]
+    if uneven:
+        parser.error(
+            f"--batch-size {args.batch_size} does not split between {uneven[0]} replicas "
+            "(--data-parallel); use a multiple of each D"
+        )
     return args
 
 
@@ -135,6 +148,13 @@ def main(argv=None):
     print(f"# malloc: {'fixed thresholds' if steady else 'as the C library sets it'}")
 
     chain = blocks_of(args)
+    if max(ks) > len(chain.modules):
+        print(
+            f"error: --stages {max(ks)}: {args.model} has {len(chain.modules)} blocks, so at "
+            f"most {len(chain.modules)} stages",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     costs = chain.costs
     if args.split == "profiled":
         costs = balance.profile_blocks(chain.modules, batch[0], repeats=5)

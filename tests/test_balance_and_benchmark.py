@@ -119,6 +119,24 @@ def test_the_quick_mode_sets_defaults_that_given_flags_change():
     assert given.batch_size == 32
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--methods=ddg,fdx"], "--methods: unknown 'fdx'; choose from ddg, fdg, fr, dgl"),
+        (["--windows=0"], "--windows must be positive"),
+        (["--batch-size=0"], "--batch-size must be positive"),
+        (["--batch-size=3", "--data-parallel=1,2"], "does not split between 2 replicas"),
+        (["--stages=0,2"], "--stages values must be positive"),
+    ],
+)
+def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
+    from experiments.benchmark import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(flags)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""

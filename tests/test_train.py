@@ -273,12 +273,18 @@ def test_the_family_trains_from_a_config(tmp_path, overrides):
         ("baseline", "ddg", "choose one of: '', bp"),
         ("keep_checkpoints", 0, "positive integer"),
         ("checkpoint_every_steps", -1, "use 0 or more"),
+        ("seed", -1, "use 0 or more"),
+        ("optimizer.learning_rate", float("nan"), "use a positive rate"),
+        ("optimizer.learning_rate", float("inf"), "use a positive rate"),
+        ("optimizer.decay", -3.0, "use a positive factor"),
+        ("optimizer.weight_decay", float("nan"), "use 0 or more"),
+        ("steps_per_epoch", 100, "more than the 22 batches of 64 in digits's training split"),
     ],
 )
 def test_bad_config_values_name_the_field(tmp_path, field, value, message):
     config = small_config()
     config.unlock()
-    config[field] = value
+    fields.set_field(config, field, value)
     with pytest.raises(SetupError, match=message):
         train(config, tmp_path / "x", log=quiet)
     assert not (tmp_path / "x").exists()
@@ -290,6 +296,36 @@ def test_config_files_cannot_add_fields_or_change_types():
         config.num_stage = 3
     with pytest.raises(TypeError, match="batch_size"):
         config.batch_size = "64"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "def get_config():\n    c = fields.base()\n    c.num_stage = 4\n    return c\n",
+            "line 4: num_stage is not a config field; did you mean num_stages?",
+        ),
+        (
+            "def get_config():\n    c = fields.base()\n    c.batch_size = '64'\n    return c\n",
+            "line 4: TypeError: Could not override field 'batch_size'",
+        ),
+        ("def get_config():\n    return {'method': 'fdg'}\n", "get_config returned a dict"),
+        ("def get_config(:\n", "line 2: SyntaxError"),
+        ("import no_such_module\n", "line 2: ModuleNotFoundError: No module named"),
+        ("x = 1\n", "defines no get_config"),
+    ],
+)
+def test_a_config_files_own_mistake_is_one_line_naming_its_line(tmp_path, text, message):
+    from dgrad.train.cli import UsageError
+
+    path = tmp_path / "mine.py"
+    path.write_text("from dgrad.train import config as fields\n" + text)
+    with pytest.raises(UsageError) as raised:
+        load_config(str(path))
+    assert message in str(raised.value) and "\n" not in str(raised.value)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UsageError, match="is not a config file"):
+        load_config(str(tmp_path / "notes.txt"))
 
 
 def test_every_field_is_described_once():

@@ -36,7 +36,13 @@ def steps_per_epoch(config: ml_collections.ConfigDict, dataset: data.Dataset) ->
     full = data.Stream(  # (it checks the batch size)
         dataset.train, config.batch_size, transform=None, seed=0
     ).steps_per_epoch
-    return min(full, config.steps_per_epoch) if config.steps_per_epoch > 0 else full
+    if config.steps_per_epoch > full:
+        raise ValueError(
+            f"config.steps_per_epoch={config.steps_per_epoch} is more than the {full} batches "
+            f"of {config.batch_size} in {config.dataset}'s training split; use at most {full}, "
+            "or -1 for the whole split"
+        )
+    return config.steps_per_epoch if config.steps_per_epoch > 0 else full
 
 
 def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: data.Dataset):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import numbers
 from typing import Any
 
@@ -321,13 +322,17 @@ def check(config: ml_collections.ConfigDict) -> None:
             _fail(name, values[name], "use a positive integer, or -1 for the whole split")
     if values["checkpoint_every_steps"] < 0:
         _fail("checkpoint_every_steps", values["checkpoint_every_steps"], "use 0 or more")
-    if values["optimizer.learning_rate"] <= 0:
+    if values["seed"] < 0:
+        _fail("seed", values["seed"], "use 0 or more")
+    if not values["optimizer.learning_rate"] > 0 or math.isinf(values["optimizer.learning_rate"]):
         _fail("optimizer.learning_rate", values["optimizer.learning_rate"], "use a positive rate")
+    if not values["optimizer.decay"] > 0 or math.isinf(values["optimizer.decay"]):
+        _fail("optimizer.decay", values["optimizer.decay"], "use a positive factor")
     if not 0 <= values["optimizer.momentum"] < 1:
         _fail("optimizer.momentum", values["optimizer.momentum"], "use a value in [0, 1)")
     if values["optimizer.warmup_epochs"] is not None and values["optimizer.warmup_epochs"] < 0:
         _fail("optimizer.warmup_epochs", values["optimizer.warmup_epochs"], "use 0 or more")
-    if values["optimizer.weight_decay"] < 0:
+    if not values["optimizer.weight_decay"] >= 0 or math.isinf(values["optimizer.weight_decay"]):
         _fail("optimizer.weight_decay", values["optimizer.weight_decay"], "use 0 or more")
     try:
         Options(
@@ -410,14 +415,50 @@ def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
         raise FileNotFoundError(f"{path}: no such file (the configs are in experiments/configs/)")
     name = os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(f"dgrad_config_{name}", path)
+    if module_spec is None or not path.endswith(".py"):
+        raise ValueError(f"{path} is not a config file (a .py file that defines get_config)")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ValueError(f"{path} defines no get_config(variant)")
     try:
-        return (module.get_config(variant) if variant else module.get_config()), name
+        module_spec.loader.exec_module(module)
+        if not hasattr(module, "get_config"):
+            raise ValueError(f"{path} defines no get_config(variant)")
+        config = module.get_config(variant) if variant else module.get_config()
     except ValueError as error:
         raise ValueError(f"{spec}: {error}") from None
+    except Exception as error:  # the file's own mistake: say where, in one line
+        raise ValueError(_mistake_in(path, error)) from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ValueError(
+            f"{spec}: get_config returned a {type(config).__name__}; it returns the "
+            "ml_collections.ConfigDict of dgrad.train.config.base() with its changes"
+        )
+    return config, name
+
+
+def _mistake_in(path: str, error: Exception) -> str:
+    """`error`, raised while running the config file at `path`, as one line naming its line.
+
+    >>> try:
+    ...     base().num_stage = 4
+    ... except AttributeError as error:
+    ...     print(_mistake_in("config.py", error))
+    config.py: num_stage is not a config field; did you mean num_stages?
+    """
+    import re
+    import traceback
+
+    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
+    if isinstance(error, SyntaxError) and error.filename == path:
+        lines.append(error.lineno)
+    where = f"{path}, line {lines[-1]}" if lines else path
+    text = str(error)
+    missing = re.search(r'Key "([^"]+)" does not exist', text)
+    if missing:  # ml_collections' message carries a dump of the whole config
+        meant = re.search(r'Did you mean "([^"]+)"', text)
+        hint = f"; did you mean {meant.group(1)}?" if meant else " (--help lists them)"
+        return f"{where}: {missing.group(1)} is not a config field{hint}"
+    message = text.strip().splitlines()[0][:300] if text.strip() else ""
+    return f"{where}: {type(error).__name__}: {message}".rstrip(": ")
 
 
 def with_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
