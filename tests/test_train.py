@@ -176,6 +176,21 @@ def test_a_run_killed_before_its_first_checkpoint_or_its_export_resumes_whole(tm
     assert_equal(exported(late), exported(tmp_path / "whole"))
 
 
+def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path):
+    from dgrad.train import workdir
+
+    train(small_config(num_epochs=1), tmp_path / "run", log=quiet)
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+    for path in (tmp_path / "run", tmp_path / "new"):
+        with workdir.hold(path):  # as a command training there does
+            with pytest.raises(SetupError, match="another command is training in"):
+                train(small_config(num_epochs=2), path, extend=path.name == "run", log=quiet)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+    assert os.listdir(tmp_path / "new") == [".lock"]
+    train(small_config(num_epochs=1), tmp_path / "new", log=quiet)  # the lock is gone
+    assert (tmp_path / "new" / "fdg_k2" / "model").is_dir()
+
+
 def test_a_stop_before_training_leaves_nothing_behind(tmp_path):
     stop = StopRequests()
     stop.request(signal.SIGTERM)

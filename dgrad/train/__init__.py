@@ -35,6 +35,7 @@ pipeline, the papers' recipe), `loop`, `evaluate`, `workdir`, `checkpoint`,
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -165,6 +166,12 @@ def train(
         if plan.extends_from is not None:
             log(_extension_note(config, plan.saved, steps_per_epoch))
         if jax.process_index() == 0:
+            try:
+                context.enter_context(workdir.hold(plan.path))
+                held = workdir.inspect(workdir_path, config, extend=extend)  # as it is now
+            except ValueError as error:
+                raise SetupError(str(error)) from error
+            plan = dataclasses.replace(held, existed=plan.existed)
             workdir.create(plan, config)
         _wait_for_all("workdir")
         results = {}

@@ -5,7 +5,9 @@ A command may start a new experiment in a missing or empty directory, resume
 the experiment a workdir holds (fields that only change how a run is watched
 or fed may differ), or, with `extend`, train a finished experiment for more
 epochs. Anything else is refused with the fields that differ. A start that
-fails before its first checkpoint takes back what it wrote.
+fails before its first checkpoint takes back what it wrote. While a command
+trains in a workdir it holds the workdir's lock (`hold`): a second command
+for the same workdir is refused until the first ends.
 
 >>> import tempfile
 >>> from dgrad.train import config as fields
@@ -17,7 +19,10 @@ fails before its first checkpoint takes back what it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import json
 import os
 import shutil
@@ -29,6 +34,7 @@ from dgrad.train import config as fields
 from dgrad.train import metrics
 
 CONFIG_FILE = "config.json"
+LOCK_FILE = ".lock"
 
 
 class WorkdirError(ValueError):
@@ -76,7 +82,7 @@ def inspect(
     path = os.path.abspath(os.fspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         raise WorkdirError(f"--workdir {path} is a file; give a directory.")
-    if not os.path.isdir(path) or not os.listdir(path):
+    if not os.path.isdir(path) or not set(os.listdir(path)) - {LOCK_FILE}:
         if extend:
             raise WorkdirError(f"--extend needs a trained experiment, but {path} holds none.")
         return Plan(path, os.path.isdir(path), None)
@@ -115,6 +121,40 @@ def inspect(
     return Plan(path, True, saved, extends_from)
 
 
+@contextlib.contextmanager
+def hold(path: str | os.PathLike):
+    """Makes the directory `path` and holds its lock for the with-block; raises
+    `WorkdirError` while another process holds it.
+
+    >>> import tempfile
+    >>> path = tempfile.mkdtemp()
+    >>> with hold(path):
+    ...     with hold(path):
+    ...         pass
+    Traceback (most recent call last):
+    ...
+    dgrad.train.workdir.WorkdirError: another command is training in /...; ...
+    >>> with hold(path):  # released at the end of the first block
+    ...     pass
+    """
+    path = os.path.abspath(os.fspath(path))
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, LOCK_FILE), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno not in (errno.EAGAIN, errno.EACCES):
+                raise WorkdirError(
+                    f"cannot lock {path} ({error.strerror}), so nothing keeps a second "
+                    "command out of it; use a --workdir on a file system with file locks."
+                ) from None
+            raise WorkdirError(
+                f"another command is training in {path} (it holds {LOCK_FILE}); wait for it "
+                "to end, or use another --workdir."
+            ) from None
+        yield  # (closing the file releases the lock)
+
+
 def create(plan: Plan, config: ml_collections.ConfigDict) -> None:
     """Makes the workdir and writes the config (atomically) that it now holds."""
     os.makedirs(plan.path, exist_ok=True)
@@ -135,7 +175,7 @@ def take_back(plan: Plan, run_labels) -> None:
     if not plan.existed:
         shutil.rmtree(plan.path, ignore_errors=True)
         return
-    for name in [CONFIG_FILE, *run_labels]:
+    for name in [CONFIG_FILE, LOCK_FILE, *run_labels]:
         target = os.path.join(plan.path, name)
         if os.path.isdir(target):
             shutil.rmtree(target, ignore_errors=True)
