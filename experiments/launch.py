@@ -34,6 +34,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(own)
     if args.processes < 1:
         parser.error("--processes must be at least 1")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        parser.error("--cpu_devices must be at least 1")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error("--timeout must be a positive number of seconds")
     command = [sys.executable, "-m", "experiments.train", *rest]
     return launch_local(command, args.processes, cpu_devices=args.cpu_devices, timeout=args.timeout)
 

@@ -13,6 +13,7 @@ over seeds per setting, K as columns) and results.png. See `dgrad.train.sweep`.
 """
 
 import argparse
+import os
 import sys
 
 from dgrad.train.signals import StopRequests  # noqa: F401 -- imported first: quick start-up
@@ -34,10 +35,15 @@ def main(argv=None) -> int:
     if unknown:
         print(f"error: unknown argument {unknown[0]} (--help lists the flags)", file=sys.stderr)
         return 2
-    from dgrad.train.sweep import Sweep, SweepError, parse_grid
+    if args.parallel < 1:
+        print(f"error: --parallel {args.parallel}: give 1 or more runs at a time", file=sys.stderr)
+        return 2
+    from dgrad.train.sweep import SWEEP_FILE, Sweep, SweepError, parse_grid
 
     try:
         sweep = Sweep(args.config, parse_grid(args.grid), args.workdir, overrides=rest)
+        if args.summarise and not os.path.exists(os.path.join(sweep.workdir, SWEEP_FILE)):
+            raise SweepError(f"{sweep.workdir} holds no sweep to summarise; run it first")
         sweep.claim()
     except (SweepError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -48,9 +54,7 @@ def main(argv=None) -> int:
     failed = 0
     if not args.summarise:
         try:
-            failed = sweep.execute(
-                parallel=max(1, args.parallel), log=lambda s: print(s, flush=True)
-            )
+            failed = sweep.execute(parallel=args.parallel, log=lambda s: print(s, flush=True))
         except KeyboardInterrupt as stop:
             print("Stopped; run the same command to resume the sweep.", file=sys.stderr)
             return 128 + (stop.args[0] if stop.args else 2)

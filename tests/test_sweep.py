@@ -27,6 +27,8 @@ CONFIG = str(ROOT / "experiments/configs/digits_mlp.py")
         ("", "--grid is empty"),
         ("method", "write field=value1,value2"),
         ("seed=0 seed=1", "names seed twice"),
+        ("seed=0,1,0", "seed gives 0 twice"),
+        ("model.hidden=32,32", r"gives 32 twice \(a model.hidden of several numbers is written"),
     ],
 )
 def test_grid_mistakes_say_what_to_do(grid, message):
@@ -34,13 +36,31 @@ def test_grid_mistakes_say_what_to_do(grid, message):
         parse_grid(grid)
 
 
+def test_a_tuple_field_takes_values_of_several_numbers():
+    (run,) = expand(fields.base(), parse_grid("model.hidden=32/16"))[0]
+    assert run.settings == (("model.hidden", (32, 16)),)
+    assert run.name == "model-hidden-32x16" and run.overrides() == ["--config.model.hidden=32,16"]
+
+
 def test_invalid_combinations_are_skipped_with_the_reason():
-    runs, skipped = expand(
-        fields.base(), parse_grid("method=bp,ddg,fdg beta=1,0.5 weights=stash,current")
-    )
-    assert len(runs) == 4  # bp/ddg/fdg with beta 1 and stash, fdg beta 0.5 stash
-    assert len(skipped) == 8 and any("only FDG has" in s for s in skipped)
+    grid = "method=bp,ddg,fdg beta=1,0.5 weights=stash,current memory=residuals,recompute"
+    runs, skipped = expand(fields.base(), parse_grid(grid))
+    assert len(runs) == 12  # 3 methods x 3 policies with beta 1, fdg's 3 with beta 0.5
+    assert len(skipped) == 12 and any("only FDG has" in s for s in skipped)
     assert any("needs memory=recompute" in s for s in skipped)
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ("method=bp,fdx", "method=fdx fits no combination: Unknown method 'fdx'"),
+        ("method=bp,ddg beta=1,0.5", "beta=0.5 fits no combination: .* only FDG has"),
+        ("weights=stash,current", "weights=current fits no combination: .* needs memory=recom"),
+    ],
+)
+def test_a_value_that_fits_no_combination_is_refused(grid, message):
+    with pytest.raises(SweepError, match=message):
+        expand(fields.base(), parse_grid(grid))
 
 
 def test_a_workdir_holding_another_sweep_is_refused(tmp_path):
@@ -116,3 +136,14 @@ def test_ctrl_c_stops_the_runs_with_a_checkpoint_and_the_sweep_resumes(tmp_path)
     step = text.split("Stopped at step ")[1].split()[0]
     run_dir = next((tmp_path / "runs").iterdir()) / "fdg_k2"
     assert step in [p.name for p in (run_dir / "checkpoints").iterdir()]
+
+
+def test_the_table_holds_finished_runs_and_names_the_others():
+    from dgrad.train.sweep import _table
+
+    row = dict(method="fdg", seed=0, epochs=6, finished=True, final_test_accuracy=0.9)
+    rows = [row, {**row, "seed": 1, "final_test_accuracy": 0.8}]
+    rows.append({**row, "seed": 2, "epochs": 2, "finished": False, "final_test_accuracy": 0.3})
+    table, _ = _table(rows, ["method", "seed"])
+    assert "| fdg | 85.00 [80.00-90.00] (n=2) |" in table
+    assert "unfinished (their last evaluation is in the CSV): method=fdg seed=2 (epoch 2)" in table

@@ -123,6 +123,8 @@ def parse(argv: Sequence[str], default_config: str | None = None):
         return args, None, None
     if args.config is None:
         raise UsageError("give an experiment config: --config FILE")
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise UsageError(f"--cpu_devices {args.cpu_devices}: give 1 or more fake CPU devices")
     config, name = load_config(args.config)
     apply_overrides(config, overrides)
     return args, config, name

@@ -46,18 +46,26 @@ class SweepError(ValueError):
     """A grid or workdir that cannot be swept; the message says what to do."""
 
 
+def _text(value) -> str:
+    """A grid value as the grid writes it."""
+    return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
 def parse_grid(text: str) -> dict[str, list[Any]]:
     """`field=v1,v2 other=w1` into `{field: [v1, v2], other: [w1]}`, each value typed as
-    its field (SweepError naming the field otherwise).
+    its field (SweepError naming the field otherwise, or a value given twice).
 
     >>> parse_grid("method=ddg,fdg beta=0.5 optimizer.learning_rate=0.05")
     {'method': ['ddg', 'fdg'], 'beta': [0.5], 'optimizer.learning_rate': [0.05]}
+    >>> parse_grid("model.hidden=64,128/128")  # a tuple's numbers are joined by /
+    {'model.hidden': [(64,), (128, 128)]}
     >>> parse_grid("num_stages=two")
     Traceback (most recent call last):
     ...
     dgrad.train.sweep.SweepError: --grid num_stages=two: expected int
     """
     grid: dict[str, list[Any]] = {}
+    tuples = {f.name for f in fields.FIELDS if isinstance(f.default, tuple)}
     for item in text.split():
         name, equals, values = item.partition("=")
         if not equals or not values:
@@ -65,9 +73,13 @@ def parse_grid(text: str) -> dict[str, list[Any]]:
         if name in grid:
             raise SweepError(f"--grid names {name} twice; give its values once, with commas")
         try:
-            grid[name] = [fields.parse_value(name, v) for v in values.split(",")]
+            grid[name] = [fields.parse_value(name, v.replace("/", ",")) for v in values.split(",")]
         except ValueError as error:
             raise SweepError(f"--grid {error}") from None
+        twice = [v for i, v in enumerate(grid[name]) if v in grid[name][:i]]
+        if twice:
+            hint = f" (a {name} of several numbers is written 64/64)" if name in tuples else ""
+            raise SweepError(f"--grid {name} gives {_text(twice[0])} twice{hint}")
     if not grid:
         raise SweepError("--grid is empty; give at least one field=value1,value2")
     return grid
@@ -81,10 +93,12 @@ class Run:
 
     @property
     def name(self) -> str:
-        return "_".join(f"{k.replace('.', '-')}-{v}" for k, v in self.settings)
+        return "_".join(
+            f"{k.replace('.', '-')}-{_text(v).replace('/', 'x')}" for k, v in self.settings
+        )
 
     def describe(self) -> str:
-        return " ".join(f"{k}={v}" for k, v in self.settings)
+        return " ".join(f"{k}={_text(v)}" for k, v in self.settings)
 
     def overrides(self) -> list[str]:
         def text(value):
@@ -94,7 +108,8 @@ class Run:
 
 
 def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
-    """The runs of every valid combination, and a note for each combination skipped.
+    """The runs of every valid combination, and a note for each combination skipped
+    (SweepError if a value fits none: a typo, or a field the grid must also vary).
 
     >>> runs, skipped = expand(fields.base(), {"method": ["bp", "fdg"], "beta": [1.0, 0.5]})
     >>> [run.describe() for run in runs]
@@ -105,7 +120,7 @@ def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
     ['--config.method=fdg', '--config.beta=0.5']
     """
     names = list(grid)
-    runs, skipped = [], []
+    runs, refused = [], []
     for values in itertools.product(*(grid[n] for n in names)):
         run = Run(tuple(zip(names, values)))
         config = base.copy_and_resolve_references()
@@ -114,10 +129,15 @@ def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
         try:
             fields.check(config)
         except ValueError as error:
-            skipped.append(f"{run.describe()}: {str(error).removeprefix('config: ')}")
+            refused.append((run, str(error).removeprefix("config: ")))
             continue
         runs.append(run)
-    return runs, skipped
+    for name in names:
+        for value in grid[name]:
+            if not any(dict(run.settings)[name] == value for run in runs):
+                reason = next(why for run, why in refused if dict(run.settings)[name] == value)
+                raise SweepError(f"--grid {name}={_text(value)} fits no combination: {reason}")
+    return runs, [f"{run.describe()}: {why}" for run, why in refused]
 
 
 class Sweep:
@@ -139,8 +159,6 @@ class Sweep:
             fields.set_field(base, name, fields.parse_value(name, text))
         self.base = base
         self.runs, self.skipped = expand(base, grid)
-        if not self.runs:
-            raise SweepError("the grid has no valid combination: " + "; ".join(self.skipped))
 
     def identity(self) -> dict[str, Any]:
         grid = {
@@ -260,6 +278,7 @@ class Sweep:
                 {
                     **dict(run.settings),
                     "epochs": epochs[-1]["epoch"],
+                    "finished": epochs[-1]["epoch"] >= config.num_epochs,
                     "final_test_accuracy": epochs[-1]["test_accuracy"],
                     "best_test_accuracy": max(r["test_accuracy"] for r in epochs),
                     "final_train_loss": epochs[-1].get("train_loss", math.nan),
@@ -294,7 +313,10 @@ def _table(rows, names) -> tuple[str, dict]:
     column = "num_stages" if "num_stages" in names else None
     row_fields = [n for n in names if n not in ("seed", column)]
     groups: dict[tuple, dict[Any, list[float]]] = {}
+    unfinished = [row for row in rows if not row["finished"]]
     for row in rows:
+        if not row["finished"]:
+            continue
         key = tuple(row[n] for n in row_fields)
         groups.setdefault(key, {}).setdefault(row.get(column), []).append(
             100 * row["final_test_accuracy"]
@@ -324,6 +346,12 @@ def _table(rows, names) -> tuple[str, dict]:
         + ("" if column is None else " Columns: K stages.")
         + "\n"
     )
+    if unfinished:
+        runs = "; ".join(
+            " ".join(f"{n}={_text(row[n])}" for n in names) + f" (epoch {row['epochs']})"
+            for row in unfinished
+        )
+        note += f"Not in the table, unfinished (their last evaluation is in the CSV): {runs}.\n"
     return "\n".join(lines) + "\n" + note, groups
 
 
