@@ -128,7 +128,7 @@ def stage_momentum(delay: int, num_stages: int, b1: float = 0.9, b1_target: floa
     if delay >= num_stages:
         raise ValueError(
             f"delay ({delay}) must be smaller than num_stages ({num_stages}), as every PipeDream "
-            "delay (K-1-k) is; for FDG use async_nesterov_for('fdg', K, ...), which passes the "
+            "delay (K-1-k) is; for FDG use async_nesterov_for(lr, 'fdg', K), which passes the "
             "deepest staleness + 1 as num_stages."
         )
     b1 = _check_unit_interval("b1", b1)

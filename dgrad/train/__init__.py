@@ -6,7 +6,7 @@ fused-backprop baseline) it writes into `workdir/<run>/`:
 
 - `metrics.jsonl` (and TensorBoard events under `tensorboard/` when tensorboardX
   is installed): train loss and accuracy every `log_every_steps`, test loss and
-  accuracy every epoch;
+  accuracy every epoch, and each stage's staleness probe every `probe_every` steps;
 - `checkpoints/<step>/`: the whole pipeline state, in flight included, at every
   epoch end (and every `checkpoint_every_steps`), see `dgrad.train.checkpoint`;
 - `model/`: the stages merged into one model at the end, see `dgrad.train.export`;
@@ -206,9 +206,9 @@ def train(
 
 
 def _example_batch(config, dataset):
+    """A batch of the training split's shapes (its first `batch_size` examples)."""
     import numpy as np
 
-    """A batch of the training split's shapes (its first `batch_size` examples)."""
     indices = np.arange(config.batch_size) % len(dataset.train)
     images, labels = dataset.train.get(indices)
     return dataset.eval_transform.apply(images, labels, None)

@@ -1,7 +1,8 @@
 """Training metrics on disk: JSON lines, TensorBoard when available, and a PNG of the curves.
 
 Every record is one JSON object per line with a `kind` ("train" for step
-intervals, "epoch" for end-of-epoch evaluation) and the `step` it describes.
+intervals, "epoch" for end-of-epoch evaluation, "probe" for a stage's staleness
+probe) and the `step` it describes.
 A resumed run first drops the records past its checkpoint, so no step is
 written twice.
 
