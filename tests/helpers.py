@@ -122,11 +122,48 @@ def assert_matches_reference(state, history, ref, rtol=RTOL, atol=ATOL):
     assert_close([a for a, _ in losses], [b for _, b in losses], rtol, atol)
 
 
-def run_command(args, timeout: float, cwd=None, env=None, check: bool = True):
-    """Runs `args` in a process group of its own; on timeout kills the whole group (the
-    processes it started too) and fails with what they printed. Returns (status, output)."""
+def descendants(pid: int) -> list[int]:
+    """The process ids of `pid`'s children, theirs, and so on (Linux: read from /proc)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [c for p in frontier for c in children.get(p, [])]
+        found += frontier
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILLs `pid`'s process group and every process it started, by id (the runs a
+    launcher starts live in sessions of their own); frozen first, so none is missed."""
     import os
     import signal
+
+    def send(kill, target, number):
+        try:
+            kill(target, number)
+        except ProcessLookupError:
+            pass
+
+    send(os.killpg, pid, signal.SIGSTOP)
+    below = descendants(pid)
+    send(os.killpg, pid, signal.SIGKILL)
+    for child in below:
+        send(os.kill, child, signal.SIGKILL)
+
+
+def run_command(args, timeout: float, cwd=None, env=None, check: bool = True):
+    """Runs `args` in a process group of its own; on timeout kills it and every process it
+    started (`kill_tree`) and fails with what they printed. Returns (status, output)."""
+    import os
     import subprocess
 
     process = subprocess.Popen(
@@ -141,7 +178,7 @@ def run_command(args, timeout: float, cwd=None, env=None, check: bool = True):
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process.pid)
         output, _ = process.communicate()
         raise AssertionError(f"{args} ran past {timeout} s, killed:\n{output[-4000:]}") from None
     if check:

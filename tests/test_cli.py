@@ -2,14 +2,13 @@
 and the workdir's rules, each command in a process of its own."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import ROOT, run_command
+from helpers import ROOT, kill_tree, run_command
 
 from dgrad.train import metrics
 
@@ -151,7 +150,7 @@ def test_ctrl_c_at_any_moment_stops_cleanly(tmp_path, moment):
     try:
         output, _ = process.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process.pid)
         output, _ = process.communicate()
         raise AssertionError(f"no exit 120 s after SIGINT ({moment}):\n{output[-4000:]}") from None
     assert process.returncode == 128 + signal.SIGINT, output[-3000:]

@@ -24,6 +24,7 @@ from helpers import (
     batches,
     build_pipeline,
     input_shape,
+    kill_tree,
     run_command,
 )
 
@@ -299,7 +300,7 @@ def test_a_stop_on_two_processes_saves_the_same_step_on_both(tmp_path):
     try:
         launcher.wait(timeout=180)
     except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
+        kill_tree(launcher.pid)
         reader.join(timeout=10)
         raise AssertionError("the launcher did not stop:\n" + "".join(lines)[-4000:]) from None
     reader.join(timeout=30)

@@ -1,14 +1,13 @@
 """Sweeps: the grid's errors, the workdir's rule, and a tiny sweep end to end."""
 
 import csv
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import ROOT, run_command
+from helpers import ROOT, kill_tree, run_command
 
 from dgrad.train import config as fields
 from dgrad.train.sweep import Sweep, SweepError, expand, parse_grid
@@ -128,7 +127,7 @@ def test_ctrl_c_stops_the_runs_with_a_checkpoint_and_the_sweep_resumes(tmp_path)
     try:
         output, _ = sweep.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(sweep.pid, signal.SIGKILL)
+        kill_tree(sweep.pid)
         raise AssertionError(f"the sweep did not stop:\n{sweep.communicate()[0]}") from None
     assert sweep.returncode == 128 + signal.SIGINT, output
     text = log.read_text()
