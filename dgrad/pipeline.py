@@ -275,7 +275,8 @@ class Pipeline:
 
         >>> import jax.numpy as jnp, optax
         >>> from dgrad import models
-        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="ddg", optimizer=optax.sgd(0.1))
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="ddg",
+        ...                 optimizer=optax.sgd(0.1))
         >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
         >>> state, metrics = pipe.step(pipe.init(batch), batch)
         >>> state.step, metrics["batch"], metrics["loss"].shape  # DDG: batch 0's loss at once
