@@ -14,7 +14,6 @@ MODULES = sorted(
     if module.name not in ("dgrad.train.cli",)  # its examples are shell commands
 )
 WITHOUT_EXAMPLES = {
-    "dgrad.data.tfds_source",  # needs a prepared dataset; tested on tfds mock data
     "dgrad.models",
     "dgrad.train.loop",  # the loop of dgrad.train's example
 }
