@@ -55,7 +55,8 @@ class ReferenceRun:
     >>> import jax.numpy as jnp, optax
     >>> from dgrad import models
     >>> batches = [(jnp.ones((2, 4)), jnp.array([0, 1]))] * 3
-    >>> run = reference_run(models.mlp([4, 8, 3], num_stages=2), batches, method="fdg", optimizer=optax.sgd(0.1))
+    >>> run = reference_run(models.mlp([4, 8, 3], num_stages=2), batches, method="fdg",
+    ...                     optimizer=optax.sgd(0.1))
     >>> len(run.history), len(run.history[0]), run.gradient_batches  # 2 stages, 3 iterations + 1
     (2, 4, [[None, None, 0], [None, 0, 1]])
     >>> run.losses[0], run.losses[1] is not None  # FDG: the loss stage starts at iteration 1
