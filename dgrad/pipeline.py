@@ -484,7 +484,16 @@ class Pipeline:
     # ------------------------------------------------------- use the weights
 
     def predict(self, state: PipelineState, inputs) -> jax.Array:
-        """The model's outputs in evaluation mode with each stage's current weights."""
+        """The model's outputs in evaluation mode with each stage's current weights.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.array([0, 1])))
+        >>> logits = pipe.predict(state, jnp.ones((2, 4)))  # through both stages
+        >>> logits.shape, bool((logits[0] == logits[1]).all())
+        ((2, 3), True)
+        """
         x = self.placement.put_batch(inputs, 0)
         for k, stage in enumerate(state.stages):
             x = self._calls[k]["predict"](stage.params, stage.rest, self._move(x, max(k - 1, 0), k))

@@ -116,7 +116,17 @@ def authors_boundaries(method: str) -> tuple[int, ...]:
 def resolved_optimizer(config: ml_collections.ConfigDict, method: str) -> dict[str, Any]:
     """`config.optimizer` with its unset fields filled by the authors' choice for `method`:
     decay epochs (`authors_boundaries`), Nesterov momentum (DDG's code used it), and the
-    ADL code's 5-epoch warm-up when gradients accumulate."""
+    ADL code's 5-epoch warm-up when gradients accumulate.
+
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> resolved_optimizer(config, "fdg")
+    {'boundaries': (150, 225, 275), 'decay': 0.1, 'learning_rate': 0.1, 'momentum': 0.9, ...}
+    >>> config.optimizer.nesterov, config.accumulate = False, 2  # a set field stays as set
+    >>> spec = resolved_optimizer(config, "ddg")
+    >>> spec["nesterov"], spec["warmup_epochs"], spec["boundaries"]
+    (False, 5, (150, 225))
+    """
     spec = config.optimizer.to_dict()
     if spec["boundaries"] is None:
         spec["boundaries"] = authors_boundaries(method)
