@@ -26,7 +26,15 @@ from typing import Sequence
 
 
 def free_port() -> int:
-    """A TCP port on localhost that nothing listens on right now."""
+    """A TCP port on localhost that nothing listens on right now.
+
+    >>> import socket
+    >>> port = free_port()
+    >>> with socket.socket() as server:  # free: this process can listen on it
+    ...     server.bind(("127.0.0.1", port))
+    ...     server.getsockname()[1] == port
+    True
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -118,6 +126,12 @@ class StopVote:
         self.timeout_ms = int(timeout_s * 1000)
 
     def any(self, wish: bool) -> bool:
+        """Whether any process of the run wishes to stop this round (every process calls it).
+
+        >>> vote = StopVote("example")
+        >>> vote.any(False), vote.any(True)  # one process: its own wish, round by round
+        (False, True)
+        """
         import jax
 
         if jax.process_count() == 1:
@@ -156,6 +170,17 @@ def launch_local(
 
     Returns 0 if all succeeded; else the first failure's exit status (124 on
     `timeout` seconds), after stopping the rest.
+
+    >>> import io, sys
+    >>> show = [sys.executable, "-c", "import sys; print(sys.argv[3])"]  # prints its --process_id
+    >>> out = io.StringIO()
+    >>> launch_local(show, processes=2, out=out), sorted(out.getvalue().splitlines())
+    (0, ['[0] --process_id=0', '[1] --process_id=1'])
+    >>> fail = [sys.executable, "-c",  # process 1 fails at once, process 0 would wait a minute
+    ...         "import sys, time; time.sleep(0 if sys.argv[3].endswith('1') else 60); sys.exit(3)"]
+    >>> out = io.StringIO()
+    >>> launch_local(fail, processes=2, out=out), out.getvalue()
+    (3, 'process 1 exited with status 3; stopping the others\\n')
     """
     out = out or sys.stdout
     coordinator = f"127.0.0.1:{free_port()}"

@@ -33,7 +33,15 @@ def _help(default, text: str):
 
 
 def check_beta(beta) -> float:
-    """Returns `beta` as a float if it is a valid shrinking factor, else raises ValueError."""
+    """Returns `beta` as a float if it is a valid shrinking factor, else raises ValueError.
+
+    >>> check_beta(1), check_beta(0.5)
+    (1.0, 0.5)
+    >>> check_beta(0)
+    Traceback (most recent call last):
+        ...
+    ValueError: beta must lie in (0, 1] (1 means no shrinking; ...), got 0.0.
+    """
     if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
         raise ValueError(f"beta must be a number in (0, 1], got {beta!r}.")
     beta = float(beta)
@@ -57,7 +65,15 @@ def _integer(name: str, value, minimum: int, fix: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """A pipeline's training options, validated on construction (ValueError names the fix)."""
+    """A pipeline's training options, validated on construction (ValueError names the fix).
+
+    >>> Options(memory="dots")
+    Options(method='fdg', beta=1.0, weights='stash', memory='dots', fused=False, ...)
+    >>> Options(method="ddg", weights="current")
+    Traceback (most recent call last):
+        ...
+    ValueError: weights=current needs memory=recompute: what memory=residuals keeps from ...
+    """
 
     method: str = _help(
         "fdg",
@@ -171,10 +187,18 @@ class Options:
 
     @property
     def shrinks(self) -> bool:
-        """Whether the method has gradient shrinking (FDG)."""
+        """Whether the method has gradient shrinking (FDG).
+
+        >>> Options(method="bp").shrinks, Options(method="fdg").shrinks
+        (False, True)
+        """
         return self.method == "fdg"
 
     @classmethod
     def help(cls) -> dict[str, str]:
-        """Each option's description, by name."""
+        """Each option's description, by name.
+
+        >>> Options.help()["beta"]
+        "FDG gradient shrinking: stage k's gradient is scaled by beta**(K-1-k) (1 = none)"
+        """
         return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}

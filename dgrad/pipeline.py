@@ -182,6 +182,22 @@ class Pipeline:
         The functions are copies that donate no buffers, so a watcher may hold on
         to their inputs and outputs (see `dgrad.timeline`). The view shares
         everything else with this pipeline and takes its states.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> calls = []
+        >>> def wrap(k, name, fn):
+        ...     def watched(*args):
+        ...         calls.append((k, name))
+        ...         return fn(*args)
+        ...     return watched
+        >>> view = pipe.observed(wrap)
+        >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
+        >>> state, _ = view.step(view.init(batch), batch)
+        >>> state, _ = view.step(state, batch)
+        >>> calls  # FDG: stage 0's forward in each step, stage 1's loss step from the second
+        [(0, 'forward'), (0, 'forward'), (1, 'loss_step')]
         """
         view = copy.copy(self)
         view._calls = []
@@ -199,6 +215,17 @@ class Pipeline:
 
         `example_batch` is an `(inputs, labels)` pair; every later batch must have
         its shapes and dtypes.
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32)))
+        >>> state.step, jax.tree.map(jnp.shape, state.stages[1].params)
+        (0, {'layers': {0: {'linear': {'bias': (3,), 'kernel': (8, 3)}}}})
+        >>> pipe.step(state, (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        Traceback (most recent call last):
+            ...
+        ValueError: This batch's (inputs, labels) are (float32[2, 4], int32[2]), but init saw ...
         """
         inputs, labels = _split_batch(example_batch)
         self.placement.check_batch_size(np.shape(inputs)[0])
@@ -245,6 +272,15 @@ class Pipeline:
         pipeline fills, the last stage has no batch yet and the metrics are `{}`.
         On probed steps (`probe_every`) they also hold `probe` (see `probe`) and
         `probe_step`, this step's index.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="ddg",
+        ...                 optimizer=optax.sgd(0.1))
+        >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
+        >>> state, metrics = pipe.step(pipe.init(batch), batch)
+        >>> state.step, metrics["batch"], metrics["loss"].shape  # DDG: batch 0's loss at once
+        (1, 0, ())
         """
         inputs, labels = self.placement.put_batch(self._check_batch(batch), 0)
         probe = None
@@ -430,13 +466,34 @@ class Pipeline:
         model's loss gradient on the stage's body. Device arrays, keyed by stage;
         needs `probe_every` (the state keeps the batches whose gradients are due).
         See `dgrad.probe`.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="ddg",
+        ...                 optimizer=optax.sgd(0.1), probe_every=1)
+        >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
+        >>> state, _ = pipe.step(pipe.init(batch), batch)
+        >>> probe = pipe.probe(state, batch)
+        >>> sorted(probe), sorted(probe[0])
+        ([0, 1], ['cosine', 'relative_difference', 'weight_drift'])
+        >>> float(probe[1]["cosine"]), float(probe[0]["cosine"]) < 1  # the last stage's is fresh
+        (1.0, True)
         """
         return self._probe.measure(state, batch)
 
     # ------------------------------------------------------- use the weights
 
     def predict(self, state: PipelineState, inputs) -> jax.Array:
-        """The model's outputs in evaluation mode with each stage's current weights."""
+        """The model's outputs in evaluation mode with each stage's current weights.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.array([0, 1])))
+        >>> logits = pipe.predict(state, jnp.ones((2, 4)))  # through both stages
+        >>> logits.shape, bool((logits[0] == logits[1]).all())
+        ((2, 3), True)
+        """
         x = self.placement.put_batch(inputs, 0)
         for k, stage in enumerate(state.stages):
             x = self._calls[k]["predict"](stage.params, stage.rest, self._move(x, max(k - 1, 0), k))
@@ -458,7 +515,17 @@ class Pipeline:
     def evaluation_sums(self, state: PipelineState, batch, mask=None) -> dict[str, jax.Array]:
         """Sums over the examples where `mask` is true of `loss_fn`'s loss and metrics,
         each example scored alone, with the current weights in evaluation mode; and
-        `count`. Padded batches give exact means over a dataset (device arrays)."""
+        `count`. Padded batches give exact means over a dataset (device arrays).
+
+        >>> import jax.numpy as jnp, numpy as np, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
+        >>> state = pipe.init(batch)
+        >>> sums = pipe.evaluation_sums(state, batch, mask=np.array([True, True, True, False]))
+        >>> sorted(sums), float(sums["count"])  # the fourth example is padding
+        (['accuracy', 'count', 'loss'], 3.0)
+        """
         inputs, labels = _split_batch(batch)
         if mask is None:
             mask = np.ones(np.shape(labels)[0], bool)
@@ -468,7 +535,15 @@ class Pipeline:
         return self._evaluation_sums(outputs, labels, mask)
 
     def evaluate(self, state: PipelineState, batch) -> dict[str, jax.Array]:
-        """`loss_fn`'s loss and metrics on `batch` in evaluation mode (means, device arrays)."""
+        """`loss_fn`'s loss and metrics on `batch` in evaluation mode (means, device arrays).
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> batch = (jnp.ones((4, 4)), jnp.array([0, 0, 0, 0]))
+        >>> pipe.evaluate(pipe.init(batch), batch)
+        {'accuracy': Array(1., dtype=float32), 'loss': Array(0.31700826, dtype=float32)}
+        """
         sums = self.evaluation_sums(state, batch)
         count = sums.pop("count")
         return {name: value / count for name, value in sums.items()}
@@ -478,6 +553,18 @@ class Pipeline:
         """Raises FloatingPointError if any loss so far was NaN or infinite.
 
         This waits for the device: call it once an epoch, not every step.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> batch = (jnp.ones((2, 4)), jnp.array([0, 1]))
+        >>> state = pipe.init(batch)
+        >>> pipe.check_finite(state)  # every loss so far finite: returns None
+        >>> state, _ = pipe.step(state, (jnp.full((2, 4), jnp.nan), batch[1]))
+        >>> pipe.check_finite(state)
+        Traceback (most recent call last):
+            ...
+        FloatingPointError: A training loss was NaN or infinite at or before step 1; ...
         """
         if not bool(share(state.finite)):
             raise FloatingPointError(
@@ -493,6 +580,16 @@ class Pipeline:
         What is in flight follows from the timetable (`dgrad.schedule`) and the
         stages' shapes alone, so a checkpoint restores into this structure; see
         `dgrad.state.structure`.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((4, 4)), jnp.array([0, 1, 2, 0])))
+        >>> pipe.state_structure(0).activations  # nothing in flight before the first step
+        (None, None)
+        >>> message = pipe.state_structure(5).activations[1]
+        >>> message.batch, message.value.shape, message.value.dtype
+        (4, (4, 8), dtype('float32'))
         """
         if self.specs is None:
             raise RuntimeError("Call pipe.init(example_batch) before asking for state shapes.")

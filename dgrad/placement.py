@@ -222,22 +222,42 @@ class Placement:
 
     def replicated(self, k: int) -> jax.sharding.Sharding:
         """A copy on each of stage k's devices (a single device's sharding when D = 1, which
-        is what jitted functions give back there)."""
+        is what jitted functions give back there).
+
+        >>> import jax
+        >>> Placement(2, jax.devices()[:1]).replicated(1)  # D = 1: the stage's one device
+        SingleDeviceSharding(device=CpuDevice(id=0), memory_kind=device)
+        """
         if self.data_parallel == 1:
             return SingleDeviceSharding(self.groups[k][0])
         return NamedSharding(self.meshes[k], P())
 
     def sharded(self, k: int) -> jax.sharding.Sharding:
-        """Split along the first (batch) axis over stage k's devices."""
+        """Split along the first (batch) axis over stage k's devices.
+
+        >>> import jax
+        >>> Placement(2, jax.devices()[:1]).sharded(0)  # D = 1: nothing to split over
+        SingleDeviceSharding(device=CpuDevice(id=0), memory_kind=device)
+        """
         if self.data_parallel == 1:
             return SingleDeviceSharding(self.groups[k][0])
         return NamedSharding(self.meshes[k], P("data"))
 
     def is_local(self, k: int) -> bool:
-        """Whether this process holds a device of stage k."""
+        """Whether this process holds a device of stage k.
+
+        >>> import jax
+        >>> Placement(2, jax.devices()[:1]).is_local(1)  # one process holds every device
+        True
+        """
         return any(d.process_index == self._process for d in self.groups[k])
 
     def check_batch_size(self, batch_size: int) -> None:
+        """Raises ValueError unless `batch_size` splits evenly between the D replicas.
+
+        >>> import jax
+        >>> Placement(1, jax.devices()[:1]).check_batch_size(7)  # D = 1: any batch splits
+        """
         if batch_size % self.data_parallel:
             raise ValueError(
                 f"The batch of {batch_size} examples does not split between "
@@ -248,7 +268,14 @@ class Placement:
     # ------------------------------------------------------------- placing
 
     def put(self, tree, k: int):
-        """A copy of `tree` replicated on stage k's devices (every process passes the same)."""
+        """A copy of `tree` replicated on stage k's devices (every process passes the same).
+
+        >>> import jax, jax.numpy as jnp
+        >>> placement = Placement(2, jax.devices()[:1])
+        >>> params = placement.put({"w": jnp.ones(3)}, 1)
+        >>> params["w"].sharding == placement.replicated(1)
+        True
+        """
         leaves, treedef = jax.tree.flatten(tree)
         return treedef.unflatten(_place(leaves, self.replicated(k)))
 
@@ -258,6 +285,14 @@ class Placement:
         Arrays already placed so are returned as they are. Under several
         processes, host arrays must hold the whole batch on every process;
         `dgrad.data.Stream` builds batches from each process's own rows instead.
+
+        >>> import jax, numpy as np
+        >>> placement = Placement(2, jax.devices()[:1])
+        >>> x = placement.put_batch(np.ones((4, 3)), 0)  # host arrays are copied over
+        >>> type(x).__name__, x.sharding == placement.sharded(0)
+        ('ArrayImpl', True)
+        >>> placement.put_batch(x, 0) is x  # already in place
+        True
         """
         sharding = self.sharded(k)
 
@@ -276,7 +311,15 @@ class Placement:
     # -------------------------------------------------------------- moving
 
     def move(self, tree, src: int, dst: int):
-        """`tree` (placed on stage `src`'s group) placed alike on stage `dst`'s group."""
+        """`tree` (placed on stage `src`'s group) placed alike on stage `dst`'s group.
+
+        >>> import jax, jax.numpy as jnp
+        >>> placement = Placement(2)  # with two devices or more, stage 1 has a device of its own
+        >>> x = placement.put(jnp.arange(3.0), 0)
+        >>> moved = placement.move(x, 0, 1)
+        >>> list(moved.devices()) == [placement.devices[1]], moved.tolist()
+        (True, [0.0, 1.0, 2.0])
+        """
         if self.groups[src] == self.groups[dst]:
             return tree
         source, target = self.groups[src], self.groups[dst]
@@ -446,7 +489,13 @@ def _unshare_leaf(leaf, target: jax.ShapeDtypeStruct):
 
 
 def shared_target(target: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    """Where `share` puts an array placed as `target`: how a checkpoint holds it."""
+    """Where `share` puts an array placed as `target`: how a checkpoint holds it.
+
+    >>> import jax, jax.numpy as jnp
+    >>> target = jax.ShapeDtypeStruct((3,), jnp.float32, sharding=Placement(1).replicated(0))
+    >>> shared_target(target) is target  # one process: a checkpoint holds it as placed
+    True
+    """
     owners = {d.process_index for d in target.sharding.device_set}
     if jax.process_count() == 1 or len(owners) > 1:
         return target

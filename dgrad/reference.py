@@ -51,6 +51,16 @@ class ReferenceRun:
         while an FDG pipeline fills).
       gradient_batches: `gradient_batches[k][t]`, the batch whose gradient stage
         k applied in iteration t, or None.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from dgrad import models
+    >>> batches = [(jnp.ones((2, 4)), jnp.array([0, 1]))] * 3
+    >>> run = reference_run(models.mlp([4, 8, 3], num_stages=2), batches, method="fdg",
+    ...                     optimizer=optax.sgd(0.1))
+    >>> len(run.history), len(run.history[0]), run.gradient_batches  # 2 stages, 3 iterations + 1
+    (2, 4, [[None, None, 0], [None, 0, 1]])
+    >>> run.losses[0], run.losses[1] is not None  # FDG: the loss stage starts at iteration 1
+    (None, True)
     """
 
     history: list[list[Any]]

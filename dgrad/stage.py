@@ -64,6 +64,14 @@ class Residuals:
     (`dgrad.optim.reads_stale_params`, e.g. delay compensation) or the probe
     measures how far the weights moved; else it is None, which saves a copy of
     the weights per kept batch.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
+    >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
+    ...                            jnp.ones((4, 3)))
+    >>> type(record).__name__, record.params  # plain SGD reads no stale weights: none kept
+    ('Residuals', None)
     """
 
     residuals: list
@@ -72,14 +80,36 @@ class Residuals:
 
 @struct.dataclass
 class Inputs:
-    """The stage's input; the backward replays the forward on the stage's current weights."""
+    """The stage's input; the backward replays the forward on the stage's current weights.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> from dgrad.options import Options
+    >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+    ...                      options=Options(method="fr"))  # weights=current, memory=recompute
+    >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
+    ...                            jnp.ones((4, 3)))
+    >>> type(record).__name__, record.inputs.shape
+    ('Inputs', (4, 3))
+    """
 
     inputs: Any
 
 
 @struct.dataclass
 class StashedInputs:
-    """The stage's input with the weights and statistics its forward used (recomputed later)."""
+    """The stage's input with the weights and statistics its forward used (recomputed later).
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> from dgrad.options import Options
+    >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+    ...                      options=Options(memory="recompute"))  # weights=stash
+    >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
+    ...                            jnp.ones((4, 3)))
+    >>> type(record).__name__, record.inputs.shape, sorted(record.params)
+    ('StashedInputs', (4, 3), ['bias', 'kernel'])
+    """
 
     inputs: Any
     params: Any
@@ -90,7 +120,12 @@ Record = Residuals | Inputs | StashedInputs
 
 
 def shape_dtype(a) -> jax.ShapeDtypeStruct:
-    """`a`'s shape and dtype (an array, a tracer, or a Python or NumPy scalar)."""
+    """`a`'s shape and dtype (an array, a tracer, or a Python or NumPy scalar).
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> shape_dtype(jnp.ones((2, 3))), shape_dtype(np.float32(1.5))
+    (ShapeDtypeStruct(shape=(2, 3), dtype=float32), ShapeDtypeStruct(shape=(), dtype=float32))
+    """
     return jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.result_type(a))
 
 
@@ -135,6 +170,12 @@ class StageFunctions:
     Attributes:
       params, rest: the module's initial state as plain nested dicts (`split_state`), not
         yet placed on a device.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
+    >>> sorted(fns.params), fns.rest  # a Linear layer has no state but its weights
+    (['bias', 'kernel'], {})
     """
 
     def __init__(
@@ -182,11 +223,28 @@ class StageFunctions:
             setattr(self, name, jax.jit(getattr(self, f"_{name}"), **options_))
 
     def jitted(self) -> dict[str, Any]:
-        """The jitted functions by name."""
+        """The jitted functions by name.
+
+        >>> import optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+        >>> sorted(fns.jitted())[:5]
+        ['aux_gradient', 'aux_step', 'backward_update', 'forward', 'gradient']
+        >>> fns.jitted()["forward"] is fns.forward
+        True
+        """
         return {name: getattr(self, name) for name in self._jit_options}
 
     def undonated(self) -> dict[str, Any]:
-        """The same functions jitted without buffer donation (for watching their inputs)."""
+        """The same functions jitted without buffer donation (for watching their inputs).
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
+        >>> predict = fns.undonated()["predict"]
+        >>> predict(fns.params, fns.rest, jnp.ones((4, 3))).shape
+        (4, 2)
+        """
         return {
             name: jax.jit(getattr(self, f"_{name}"), static_argnums=options.get("static_argnums"))
             for name, options in self._jit_options.items()
@@ -197,6 +255,15 @@ class StageFunctions:
 
         Tracing is deterministic, so every forward of these shapes gives VJP
         leaves of this structure; the backward rebuilds the VJP with it.
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
+        >>> x = jnp.ones((4, 3))
+        >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params), x)
+        >>> treedef = fns.residual_treedef(fns.params, fns.rest, x)
+        >>> treedef.num_leaves == len(record.residuals)  # the VJP rebuilt from the kept leaves
+        True
         """
         return jax.tree.structure(self._vjp_shapes(params, rest, x))
 
@@ -228,14 +295,31 @@ class StageFunctions:
     # ------------------------------------------------------- pure functions
 
     def apply(self, params, rest, x, train: bool = True):
-        """Runs the stage; returns its output and its updated non-parameter state."""
+        """Runs the stage; returns its output and its updated non-parameter state.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.BatchNorm(2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+        >>> y, rest = fns.apply(fns.params, fns.rest, jnp.array([[1.0, 2.0], [3.0, 6.0]]))
+        >>> y.shape, rest["mean"]  # training mode: the running mean moved
+        ((2, 2), Array([0.02, 0.04], dtype=float32))
+        """
         model = nnx.merge(self.train_graph if train else self.eval_graph, params, rest, copy=True)
         y = model(x)
         return y, split_state(model)[1]
 
     def apply_optimizer(self, params, opt_state, grads, stale_params=None):
         """One optimizer step; `stale_params` (the weights the gradient was taken at,
-        default `params`) reaches transforms that ask for it, e.g. delay compensation."""
+        default `params`) reaches transforms that ask for it, e.g. delay compensation.
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+        >>> grads = jax.tree.map(jnp.ones_like, fns.params)
+        >>> params, _ = fns.apply_optimizer(fns.params, fns.optimizer.init(fns.params), grads)
+        >>> params["bias"]  # 0 - 0.1 * 1
+        Array([-0.1, -0.1], dtype=float32)
+        """
         stale_params = params if stale_params is None else stale_params
         updates, opt_state = self.optimizer.update(
             grads, opt_state, params, stale_params=stale_params

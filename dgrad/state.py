@@ -25,7 +25,13 @@ from dgrad.stage import Record, Residuals, StageFunctions
 @struct.dataclass
 class StageState:
     """One stage's state: weights, statistics, optimizer state, and the records it keeps
-    (`kept[i]` for the forward of batch `kept_batches[i]`, oldest first)."""
+    (`kept[i]` for the forward of batch `kept_batches[i]`, oldest first).
+
+    >>> import jax, jax.numpy as jnp
+    >>> stage = StageState(params={"w": jnp.ones(2)}, rest={}, opt_state=())
+    >>> stage.kept, stage.kept_batches, jax.tree.leaves(stage)  # a pytree of its arrays
+    ((), (), [Array([1., 1.], dtype=float32)])
+    """
 
     params: Any
     rest: Any
@@ -34,15 +40,39 @@ class StageState:
     kept_batches: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
     def keep(self, record: Record, batch: int) -> StageState:
+        """This state with `record`, of the forward of `batch`, kept as the newest.
+
+        >>> import jax.numpy as jnp
+        >>> from dgrad.stage import Inputs
+        >>> stage = StageState(params={"w": jnp.ones(2)}, rest={}, opt_state=())
+        >>> stage.keep(Inputs(jnp.ones(3)), 5).keep(Inputs(jnp.zeros(3)), 6).kept_batches
+        (5, 6)
+        """
         return self.replace(kept=self.kept + (record,), kept_batches=self.kept_batches + (batch,))
 
     def drop_oldest(self) -> StageState:
+        """This state without its oldest record (once that batch's backward has run).
+
+        >>> import jax.numpy as jnp
+        >>> from dgrad.stage import Inputs
+        >>> stage = StageState(params={"w": jnp.ones(2)}, rest={}, opt_state=())
+        >>> stage = stage.keep(Inputs(jnp.ones(3)), 5).keep(Inputs(jnp.zeros(3)), 6)
+        >>> stage.drop_oldest().kept_batches, stage.drop_oldest().kept[0].inputs
+        ((6,), Array([0., 0., 0.], dtype=float32))
+        """
         return self.replace(kept=self.kept[1:], kept_batches=self.kept_batches[1:])
 
 
 @struct.dataclass
 class Message:
-    """An activation (with its labels) or a cotangent of `batch` in flight."""
+    """An activation (with its labels) or a cotangent of `batch` in flight.
+
+    >>> import jax, jax.numpy as jnp
+    >>> message = Message(3, jnp.ones((2, 4)), jnp.array([0, 1]))  # batch 3's activation
+    >>> message.batch, [leaf.shape for leaf in jax.tree.leaves(message)]  # batch: not a leaf
+    (3, [(2, 4), (2,)])
+    >>> Message(4, jnp.ones(2)).labels  # a cotangent carries no labels
+    """
 
     batch: int = struct.field(pytree_node=False)
     value: Any
@@ -87,7 +117,18 @@ class PipelineState:
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
-    """Shapes of what stage k receives, sends and keeps (global shapes, whole batch)."""
+    """Shapes of what stage k receives, sends and keeps (global shapes, whole batch).
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from dgrad import models, losses
+    >>> stages = [StageFunctions(m, optax.sgd(0.1), first=k == 0,
+    ...                          loss_fn=losses.softmax_cross_entropy if k == 1 else None)
+    ...           for k, m in enumerate(models.mlp([4, 8, 3], num_stages=2))]
+    >>> batch = (jax.ShapeDtypeStruct((5, 4), jnp.float32), jax.ShapeDtypeStruct((5,), jnp.int32))
+    >>> first, last = stage_specs(stages, *batch)
+    >>> first.outputs.shape, type(first.record).__name__, last.outputs, last.record
+    ((5, 8), 'Residuals', None, None)
+    """
 
     inputs: jax.ShapeDtypeStruct
     outputs: jax.ShapeDtypeStruct | None  # None for the last stage

@@ -36,7 +36,12 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One stage function's run on a device; times in seconds from the timeline's start."""
+    """One stage function's run on a device; times in seconds from the timeline's start.
+
+    >>> event = Event(device=0, stage=1, name="loss_step", step=3, start=0.25, end=0.5)
+    >>> event.end - event.start
+    0.25
+    """
 
     device: int
     stage: int
@@ -78,7 +83,19 @@ class Timeline:
         self._step = 0
 
     def watch(self, pipe):
-        """A view of `pipe` (`Pipeline.observed`) whose stage function calls are recorded here."""
+        """A view of `pipe` (`Pipeline.observed`) whose stage function calls are recorded here.
+
+        >>> import jax.numpy as jnp, optax, dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
+        >>> timeline = Timeline()
+        >>> watched = timeline.watch(pipe)
+        >>> state, _ = watched.step(watched.init(batch), batch)
+        >>> timeline.close()
+        >>> [(e.stage, e.name, e.step) for e in timeline.events]
+        [(0, 'loss_step', 0)]
+        """
 
         def wrap(stage, name, function):
             device = pipe.placement.groups[stage][0]
@@ -125,7 +142,21 @@ class Timeline:
                 self.events.append(Event(device, stage, name, step, start, end))
 
     def close(self) -> None:
-        """Waits for every recorded call to finish; call before reading `events`."""
+        """Waits for every recorded call to finish; call before reading `events`.
+
+        >>> import jax.numpy as jnp, optax, dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
+        >>> timeline = Timeline()
+        >>> watched = timeline.watch(pipe)
+        >>> state = watched.init(batch)
+        >>> for _ in range(3):
+        ...     state, _ = watched.step(state, batch)
+        >>> timeline.close()  # now every call's event is in
+        >>> [e.step for e in timeline.events]
+        [0, 1, 2]
+        """
         for pending in self._queues.values():
             pending.put(None)
         for thread in self._threads:
@@ -133,7 +164,15 @@ class Timeline:
         self._queues, self._threads = {}, []
 
     def busy_fraction(self) -> dict[int, float]:
-        """Per device: time its work ran over the span from the first start to the last end."""
+        """Per device: time its work ran over the span from the first start to the last end.
+
+        >>> timeline = Timeline()
+        >>> timeline.events = [Event(0, 0, "forward", 0, 0.0, 1.0),
+        ...                    Event(0, 1, "loss_step", 0, 1.0, 2.0),
+        ...                    Event(1, 1, "loss_step", 1, 3.0, 4.0)]
+        >>> timeline.busy_fraction()  # the span is 4 s: device 0 ran 2 s of it, device 1 one
+        {0: 0.5, 1: 0.25}
+        """
         if not self.events:
             return {}
         span = max(e.end for e in self.events) - min(e.start for e in self.events)
@@ -143,7 +182,18 @@ class Timeline:
         return {d: b / span for d, b in sorted(busy.items())}
 
     def chrome_trace(self, path) -> None:
-        """Writes the events as a Chrome / Perfetto trace (open in ui.perfetto.dev)."""
+        """Writes the events as a Chrome / Perfetto trace (open in ui.perfetto.dev).
+
+        >>> import json, os, tempfile
+        >>> timeline = Timeline()
+        >>> timeline.events = [Event(0, 0, "forward", 0, 0.0, 0.001)]
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     timeline.chrome_trace(os.path.join(directory, "trace.json"))
+        ...     with open(os.path.join(directory, "trace.json")) as f:
+        ...         trace = json.load(f)["traceEvents"]
+        >>> [(e["name"], e["ph"]) for e in trace], trace[1]["dur"]  # a device's name, then a span
+        ([('process_name', 'M'), ('forward', 'X')], 1000.0)
+        """
         events = [
             {
                 "name": e.name,
@@ -164,7 +214,17 @@ class Timeline:
             json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
 
     def gantt(self, path, title: str = "") -> None:
-        """Draws one row per device, a bar per stage function, colour by kind (PNG)."""
+        """Draws one row per device, a bar per stage function, colour by kind (PNG).
+
+        >>> import os, tempfile
+        >>> timeline = Timeline()
+        >>> timeline.events = [Event(0, 0, "forward", 0, 0.0, 0.001),
+        ...                    Event(0, 1, "step", 1, 0.001, 0.003)]
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     timeline.gantt(os.path.join(directory, "gantt.png"), title="two calls")
+        ...     print(os.listdir(directory))
+        ['gantt.png']
+        """
         from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle
 

@@ -30,7 +30,15 @@ DATASETS = ("digits", "mnist1d", "synthetic", "cifar10", "cifar100", "imagenet20
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """A dataset's splits and how to turn their examples into model inputs."""
+    """A dataset's splits and how to turn their examples into model inputs.
+
+    >>> import numpy as np
+    >>> split = synthetic(6, (2, 2, 1))
+    >>> ds = Dataset("tiny", split, split, augment.identity, augment.identity, 10, (2, 2, 1))
+    >>> x, y = ds.train_transform(*ds.train.get(np.arange(3)))
+    >>> x.shape, x.dtype, y
+    ((3, 2, 2, 1), dtype('float32'), array([0, 0, 1], dtype=int32))
+    """
 
     name: str
     train: Source

@@ -15,7 +15,12 @@ import numpy as np
 
 
 class Split(NamedTuple):
-    """One split of a dataset held in memory."""
+    """One split of a dataset held in memory.
+
+    >>> split = Split(np.zeros((4, 2, 2, 1), np.float32), np.array([0, 1, 1, 0], np.int32))
+    >>> len(split), split.images.shape
+    (4, (4, 2, 2, 1))
+    """
 
     images: np.ndarray  # N x H x W x C
     labels: np.ndarray  # N, int32
@@ -24,7 +29,14 @@ class Split(NamedTuple):
         return len(self.labels)
 
     def get(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The examples at `indices`, as `(images, labels)` arrays."""
+        """The examples at `indices`, as `(images, labels)` arrays.
+
+        >>> images = np.arange(8, dtype=np.float32).reshape(4, 2)
+        >>> split = Split(images, np.array([0, 1, 1, 0], np.int32))
+        >>> split.get(np.array([2, 0]))
+        (array([[4., 5.],
+               [0., 1.]], dtype=float32), array([1, 0], dtype=int32))
+        """
         return self.images[indices], self.labels[indices]
 
 

@@ -30,7 +30,15 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Transform:
     """`apply(images, labels, rows)` -> `(inputs, labels)`; `draw(rng, n)` -> one row of
-    randomness per example (absent for deterministic transforms, whose rows are None)."""
+    randomness per example (absent for deterministic transforms, whose rows are None).
+
+    >>> shift = Transform(lambda images, labels, rows: (images + rows, labels),
+    ...                   draw=lambda rng, n: rng.integers(0, 10, n))
+    >>> shift.draw(np.random.default_rng(0), 3)  # one row per example
+    array([8, 6, 5])
+    >>> shift(np.zeros(3), np.arange(3), np.random.default_rng(0))  # draw, then apply
+    (array([8., 6., 5.]), array([0, 1, 2]))
+    """
 
     apply: Callable
     draw: Callable | None = None
@@ -47,7 +55,12 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def normalise(images: np.ndarray, mean, std) -> np.ndarray:
-    """uint8 images to float32, scaled to [0, 1] and standardised per channel."""
+    """uint8 images to float32, scaled to [0, 1] and standardised per channel.
+
+    >>> normalise(np.array([[0, 255]], np.uint8)[..., None], mean=(0.5,), std=(0.5,))
+    array([[[-1.],
+            [ 1.]]], dtype=float32)
+    """
     mean = np.asarray(mean, np.float32)
     std = np.asarray(std, np.float32)
     return ((np.asarray(images, np.float32) / 255.0 - mean) / std).astype(np.float32)
@@ -62,7 +75,13 @@ identity = Transform(_as_inputs)
 
 
 def crop_and_flip_rows(rng: np.random.Generator, n: int, padding: int = 4) -> np.ndarray:
-    """Per example: crop offsets (top, left) in [0, 2 * padding] and a flip flag."""
+    """Per example: crop offsets (top, left) in [0, 2 * padding] and a flip flag.
+
+    >>> crop_and_flip_rows(np.random.default_rng(0), 3)  # top, left, flip
+    array([[7, 5, 1],
+           [4, 2, 0],
+           [2, 0, 0]])
+    """
     offsets = rng.integers(0, 2 * padding + 1, (n, 2))
     flips = rng.random(n) < 0.5
     return np.concatenate([offsets, flips[:, None]], axis=1)
@@ -70,7 +89,19 @@ def crop_and_flip_rows(rng: np.random.Generator, n: int, padding: int = 4) -> np
 
 def crop_and_flip(images: np.ndarray, rows: np.ndarray, padding: int = 4) -> np.ndarray:
     """Zero-pads by `padding`, crops back to the original size at each row's offset, and
-    flips where the row says (the standard CIFAR augmentation)."""
+    flips where the row says (the standard CIFAR augmentation).
+
+    >>> images = np.arange(4, dtype=np.uint8).reshape(1, 2, 2, 1)
+    >>> crop_and_flip(images, np.array([[1, 1, 0]]), padding=1)[0, ..., 0]  # the centre: as is
+    array([[0, 1],
+           [2, 3]], dtype=uint8)
+    >>> crop_and_flip(images, np.array([[1, 1, 1]]), padding=1)[0, ..., 0]  # flipped
+    array([[1, 0],
+           [3, 2]], dtype=uint8)
+    >>> crop_and_flip(images, np.array([[0, 1, 0]]), padding=1)[0, ..., 0]  # shifted down
+    array([[0, 0],
+           [0, 1]], dtype=uint8)
+    """
     n, h, w, _ = images.shape
     padded = np.pad(images, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
     out = np.empty_like(images)
@@ -81,6 +112,20 @@ def crop_and_flip(images: np.ndarray, rows: np.ndarray, padding: int = 4) -> np.
 
 
 def cifar_train(mean, std, padding: int = 4) -> Transform:
+    """`crop_and_flip` by `padding`, then `normalise`: the CIFAR training transform.
+
+    >>> transform = cifar_train((0.5,) * 3, (0.25,) * 3, padding=1)
+    >>> transform.draw(np.random.default_rng(0), 2)  # (top, left, flip) per example
+    array([[2, 1, 1],
+           [1, 0, 1]])
+    >>> x, y = transform(np.full((2, 4, 4, 3), 255, np.uint8), [1, 2], np.random.default_rng(0))
+    >>> x[0, :, :, 0]  # white is (1 - 0.5) / 0.25 = 2; cropped a row low, the last is padding
+    array([[ 2.,  2.,  2.,  2.],
+           [ 2.,  2.,  2.,  2.],
+           [ 2.,  2.,  2.,  2.],
+           [-2., -2., -2., -2.]], dtype=float32)
+    """
+
     def apply(images, labels, rows):
         images = crop_and_flip(np.asarray(images), rows, padding)
         return normalise(images, mean, std), np.asarray(labels, np.int32)
@@ -89,6 +134,13 @@ def cifar_train(mean, std, padding: int = 4) -> Transform:
 
 
 def cifar_eval(mean, std) -> Transform:
+    """`normalise` only: the CIFAR evaluation transform.
+
+    >>> x, y = cifar_eval((0.5,) * 3, (0.25,) * 3)(np.full((2, 4, 4, 3), 255, np.uint8), [1, 2])
+    >>> x.shape, x[0, 0, 0], y
+    ((2, 4, 4, 3), array([2., 2., 2.], dtype=float32), array([1, 2], dtype=int32))
+    """
+
     def apply(images, labels, rows=None):
         return normalise(images, mean, std), np.asarray(labels, np.int32)
 
@@ -117,6 +169,11 @@ def imagenet_train(size: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Tra
 
     Each example's row is the seed of its own generator (the crop box is found by
     rejection sampling, which draws a varying number of values).
+
+    >>> images = [np.zeros((20, 30, 3), np.uint8), np.zeros((12, 10, 3), np.uint8)]
+    >>> x, y = imagenet_train(8)(images, [0, 1], np.random.default_rng(0))
+    >>> x.shape, y  # any sizes in, one size out
+    ((2, 8, 8, 3), array([0, 1], dtype=int32))
     """
     from PIL import Image
 
@@ -138,7 +195,12 @@ def imagenet_train(size: int = 224, mean=IMAGENET_MEAN, std=IMAGENET_STD) -> Tra
 def imagenet_eval(
     size: int = 224, resize: int = 256, mean=IMAGENET_MEAN, std=IMAGENET_STD
 ) -> Transform:
-    """Resize the shorter side to `resize`, then the central `size` x `size` crop."""
+    """Resize the shorter side to `resize`, then the central `size` x `size` crop.
+
+    >>> x, y = imagenet_eval(8, resize=10)([np.full((20, 30, 3), 255, np.uint8)], [3])
+    >>> x.shape, x[0, 0, 0]  # white, standardised with the ImageNet mean and std
+    ((1, 8, 8, 3), array([2.2489083, 2.4285715, 2.64     ], dtype=float32))
+    """
     from PIL import Image
 
     def apply(images, labels, rows=None):

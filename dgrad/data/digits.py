@@ -17,7 +17,14 @@ from dgrad.data.arrays import Split
 
 def load_digits(test_fraction: float = 0.2, seed: int = 0) -> tuple[Split, Split]:
     """The digits, split into train and test by a fixed permutation, normalised
-    with the training set's mean and standard deviation."""
+    with the training set's mean and standard deviation.
+
+    >>> train, test = load_digits(test_fraction=0.5)
+    >>> len(train), len(test)
+    (899, 898)
+    >>> round(float(train.images.mean()), 6), round(float(train.images.std()), 6)  # normalised
+    (0.0, 1.0)
+    """
     from sklearn.datasets import load_digits as sklearn_digits
 
     digits = sklearn_digits()

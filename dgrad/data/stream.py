@@ -34,9 +34,33 @@ from dgrad.data.augment import Transform
 
 
 class Source(Protocol):
+    """What a `Stream` reads from: `len(source)` examples, `source.get(indices)` by index.
+
+    `dgrad.data.Split` and `dgrad.data.TfdsSource` are sources; so is any class with
+    these two methods.
+
+    >>> class Squares:
+    ...     def __len__(self):
+    ...         return 6
+    ...     def get(self, indices):
+    ...         return (indices**2)[:, None].astype(np.float32), indices % 2
+    >>> from dgrad.data.augment import identity
+    >>> Stream(Squares(), batch_size=3, transform=identity, seed=0).batch(0)
+    (array([[ 9.],
+           [ 4.],
+           [25.]], dtype=float32), array([1, 0, 1], dtype=int32))
+    """
+
     def __len__(self) -> int: ...
 
-    def get(self, indices: np.ndarray): ...
+    def get(self, indices: np.ndarray):
+        """The examples at `indices` (an integer array), as `(images, labels)`.
+
+        >>> from dgrad.data import Split
+        >>> Split(np.zeros((3, 2)), np.array([5, 6, 7])).get(np.array([2, 0]))[1]
+        array([7, 5])
+        """
+        ...
 
 
 class Stream:
@@ -105,13 +129,32 @@ class Stream:
         self.sharding = sharding
 
     def indices(self, step: int) -> np.ndarray:
-        """The example indices of batch `step`."""
+        """The example indices of batch `step`.
+
+        >>> from dgrad.data.arrays import synthetic
+        >>> from dgrad.data.augment import identity
+        >>> stream = Stream(synthetic(10, (2, 2, 1)), batch_size=4, transform=identity, seed=0)
+        >>> stream.indices(0), stream.indices(1)  # epoch 0's permutation, in two batches
+        (array([4, 6, 2, 7]), array([3, 5, 9, 0]))
+        >>> stream.indices(2)  # epoch 1: a fresh permutation
+        array([9, 1, 3, 8])
+        """
         epoch, position = divmod(step, self.steps_per_epoch)
         start = position * self.batch_size
         return _permutation(self.seed, len(self.source), epoch)[start : start + self.batch_size]
 
     def batch(self, step: int, rows: slice = slice(None)):
-        """Rows `rows` of batch `step` (default all): `(inputs, labels)` numpy arrays."""
+        """Rows `rows` of batch `step` (default all): `(inputs, labels)` numpy arrays.
+
+        >>> from dgrad.data.arrays import synthetic
+        >>> from dgrad.data.augment import identity
+        >>> stream = Stream(synthetic(10, (2, 2, 1)), batch_size=4, transform=identity, seed=0)
+        >>> x, y = stream.batch(0)
+        >>> x.shape, y, stream.source.labels[stream.indices(0)]
+        ((4, 2, 2, 1), array([9, 6, 5, 5], dtype=int32), array([9, 6, 5, 5], dtype=int32))
+        >>> stream.batch(0, rows=slice(1, 3))[1]  # a process's share of the batch
+        array([6, 5], dtype=int32)
+        """
         indices = self.indices(step)
         randomness = None
         if self.transform.draw is not None:
@@ -140,7 +183,14 @@ class Stream:
         )
 
     def iterate(self, start: int = 0, stop: int | None = None) -> Iterator:
-        """Batches `start, start+1, ...` (up to `stop`), `prefetch` of them prepared ahead."""
+        """Batches `start, start+1, ...` (up to `stop`), `prefetch` of them prepared ahead.
+
+        >>> from dgrad.data.arrays import synthetic
+        >>> from dgrad.data.augment import identity
+        >>> stream = Stream(synthetic(10, (2, 2, 1)), batch_size=4, transform=identity, seed=0)
+        >>> [y.tolist() for _, y in stream.iterate(start=1, stop=3)]  # batches 1 and 2
+        [[6, 7, 9, 6], [9, 9, 6, 5]]
+        """
         steps = iter(range(start, stop) if stop is not None else _count(start))
         with concurrent.futures.ThreadPoolExecutor(self.workers) as pool:
             ahead = collections.deque()

@@ -21,15 +21,40 @@ import numpy as np
 
 
 class DatasetNotFoundError(FileNotFoundError):
-    """A dataset is not prepared where it was looked for; the message says how to prepare it."""
+    """A dataset is not prepared where it was looked for; the message says how to prepare it.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as empty:
+    ...     TfdsSource("cifar10", "train", data_dir=empty)
+    Traceback (most recent call last):
+        ...
+    dgrad.data.tfds_source.DatasetNotFoundError: Dataset cifar10 is not prepared in ...
+    """
 
 
 def default_data_dir() -> str:
+    """Where tfds datasets are looked for: `$TFDS_DATA_DIR`, else `~/tensorflow_datasets`.
+
+    >>> import os
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {"TFDS_DATA_DIR": "/data/tfds"}):
+    ...     default_data_dir()
+    '/data/tfds'
+    >>> with mock.patch.dict(os.environ, clear=True):
+    ...     default_data_dir() == os.path.expanduser("~/tensorflow_datasets")
+    True
+    """
     return os.environ.get("TFDS_DATA_DIR", os.path.expanduser("~/tensorflow_datasets"))
 
 
 def how_to_prepare(name: str, data_dir: str) -> str:
-    """The commands that prepare `name` in `data_dir`, on one line."""
+    """The commands that prepare `name` in `data_dir`, on one line.
+
+    >>> how_to_prepare("cifar10", "/data").split(" && ")[-1]
+    '.tfds/bin/tfds build cifar10 --file_format=array_record --data_dir /data'
+    >>> how_to_prepare("imagenet2012", "/data")[:60]
+    'download ILSVRC2012_img_train.tar and ILSVRC2012_img_val.tar'
+    """
     manual = ""
     if name.startswith("imagenet"):
         manual = (
@@ -58,6 +83,13 @@ class TfdsSource:
 
     Images come back as one uint8 array when they all have the same shape
     (CIFAR), otherwise as a list of arrays (ImageNet).
+
+    >>> import tensorflow_datasets as tfds  # here on tfds's mock data: nothing is read from disk
+    >>> with tfds.testing.mock_data(num_examples=4, policy=tfds.testing.MockPolicy.USE_CODE):
+    ...     test = TfdsSource("cifar10", "test")
+    ...     images, labels = test.get(np.arange(4))
+    >>> len(test), test.num_classes, images.shape
+    (4, 10, (4, 32, 32, 3))
     """
 
     def __init__(self, name: str, split: str, data_dir: str | None = None):
@@ -93,6 +125,14 @@ class TfdsSource:
         return len(self._source)
 
     def get(self, indices: np.ndarray):
+        """The examples at `indices`: `(images, labels)`, the images uint8.
+
+        >>> import tensorflow_datasets as tfds
+        >>> with tfds.testing.mock_data(num_examples=4, policy=tfds.testing.MockPolicy.USE_CODE):
+        ...     images, labels = TfdsSource("cifar10", "test").get(np.array([3, 0]))
+        >>> images.shape, images.dtype, labels.shape, labels.dtype
+        ((2, 32, 32, 3), dtype('uint8'), (2,), dtype('int32'))
+        """
         records = [self._source[int(i)] for i in indices]
         images = [np.asarray(r["image"]) for r in records]
         labels = np.array([r["label"] for r in records], np.int32)

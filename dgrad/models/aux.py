@@ -34,7 +34,14 @@ from dgrad.models.common import as_rngs
 
 
 class PoolLinear(nnx.Module):
-    """Mean over every axis between the batch and the features, then a linear layer."""
+    """Mean over every axis between the batch and the features, then a linear layer.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> head = PoolLinear(8, 3, rngs=nnx.Rngs(0))
+    >>> head(jnp.ones((2, 5, 5, 8))).shape, head(jnp.ones((2, 8))).shape  # images or vectors
+    ((2, 3), (2, 3))
+    """
 
     def __init__(self, features: int, num_classes: int, *, rngs: nnx.Rngs):
         self.linear = nnx.Linear(features, num_classes, rngs=rngs)
@@ -46,7 +53,14 @@ class PoolLinear(nnx.Module):
 
 
 class AuxStage(nnx.Module):
-    """A pipeline stage with an auxiliary classifier: `stage(x)` is `body(x)`."""
+    """A pipeline stage with an auxiliary classifier: `stage(x)` is `body(x)`.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> stage = AuxStage(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), PoolLinear(8, 3, rngs=nnx.Rngs(1)))
+    >>> stage(jnp.ones((2, 4))).shape  # the body only
+    (2, 8)
+    """
 
     def __init__(self, body: nnx.Module, head: nnx.Module):
         self.body, self.head = body, head
@@ -55,7 +69,15 @@ class AuxStage(nnx.Module):
         return self.body(x)
 
     def auxiliary(self, x):
-        """The body's output, and the head's logits on it."""
+        """The body's output, and the head's logits on it.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> stage = AuxStage(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), PoolLinear(8, 3, rngs=nnx.Rngs(1)))
+        >>> y, logits = stage.auxiliary(jnp.ones((2, 4)))
+        >>> y.shape, logits.shape
+        ((2, 8), (2, 3))
+        """
         y = self.body(x)
         return y, self.head(y)
 

@@ -12,7 +12,17 @@ from dgrad.models.split import Blocks
 
 
 class Dense(nnx.Module):
-    """A linear layer, followed by ReLU unless it is the output layer."""
+    """A linear layer, followed by ReLU unless it is the output layer.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> x = jnp.array([[1.0, -2.0], [-3.0, 0.5]])
+    >>> Dense(2, 3, activate=True, rngs=nnx.Rngs(0))(x)  # ReLU: no negative outputs
+    Array([[2.508251  , 0.63418496, 0.        ],
+           [0.        , 1.7271304 , 1.9311765 ]], dtype=float32)
+    >>> float(Dense(2, 3, activate=False, rngs=nnx.Rngs(0))(x).min())  # the output layer
+    -2.70807...
+    """
 
     def __init__(self, in_features: int, out_features: int, *, activate: bool, rngs: nnx.Rngs):
         self.linear = nnx.Linear(in_features, out_features, rngs=rngs)
@@ -62,5 +72,12 @@ def mlp_blocks(features: Sequence[int], *, rngs=0) -> Blocks:
 
 
 class Flatten(nnx.Module):
+    """Flattens every axis after the batch axis.
+
+    >>> import jax.numpy as jnp
+    >>> Flatten()(jnp.ones((2, 3, 4))).shape
+    (2, 12)
+    """
+
     def __call__(self, x):
         return x.reshape(x.shape[0], -1)

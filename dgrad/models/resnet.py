@@ -44,7 +44,13 @@ def _bn(channels, rngs):
 
 
 class Stem(nnx.Module):
-    """3x3 convolution, then (unless `pre_activation`) BatchNorm and ReLU."""
+    """3x3 convolution, then (unless `pre_activation`) BatchNorm and ReLU.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> Stem(3, 4, rngs=nnx.Rngs(0))(jnp.ones((2, 8, 8, 3))).shape
+    (2, 8, 8, 4)
+    """
 
     def __init__(self, in_ch, out_ch, *, pre_activation=False, rngs):
         self.conv = _conv(in_ch, out_ch, rngs)
@@ -56,7 +62,13 @@ class Stem(nnx.Module):
 
 
 class BasicBlock(nnx.Module):
-    """The CIFAR ResNet block with the option-A (subsample + zero-pad) shortcut."""
+    """The CIFAR ResNet block with the option-A (subsample + zero-pad) shortcut.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> BasicBlock(4, 8, stride=2, rngs=nnx.Rngs(0))(jnp.ones((2, 8, 8, 4))).shape
+    (2, 4, 4, 8)
+    """
 
     def __init__(self, in_ch, out_ch, stride, *, rngs):
         self.conv1, self.bn1 = _conv(in_ch, out_ch, rngs, stride=stride), _bn(out_ch, rngs)
@@ -74,7 +86,13 @@ class BasicBlock(nnx.Module):
 
 
 class WideBlock(nnx.Module):
-    """The pre-activation wide block (BN-ReLU-conv twice), 1x1 conv shortcut on change."""
+    """The pre-activation wide block (BN-ReLU-conv twice), 1x1 conv shortcut on change.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> WideBlock(4, 8, stride=2, rngs=nnx.Rngs(0))(jnp.ones((2, 8, 8, 4))).shape
+    (2, 4, 4, 8)
+    """
 
     def __init__(self, in_ch, out_ch, stride, *, rngs):
         self.bn1, self.conv1 = _bn(in_ch, rngs), _conv(in_ch, out_ch, rngs, stride=stride)
@@ -93,7 +111,13 @@ class WideBlock(nnx.Module):
 
 
 class Head(nnx.Module):
-    """(Optional BN-ReLU,) global average pooling and the classifier."""
+    """(Optional BN-ReLU,) global average pooling and the classifier.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> Head(8, 10, rngs=nnx.Rngs(0))(jnp.ones((2, 4, 4, 8))).shape
+    (2, 10)
+    """
 
     def __init__(self, channels, num_classes, *, pre_activation=False, rngs):
         self.bn = _bn(channels, rngs) if pre_activation else None
@@ -172,7 +196,14 @@ def cifar_resnet(
 def cifar_resnet_blocks(
     depth: int = 56, num_classes: int = 10, *, width: int = 16, in_channels: int = 3, rngs=0
 ) -> Blocks:
-    """The CIFAR ResNet-`depth` as a chain of blocks `[stem, L1.., L2.., L3.., head]`."""
+    """The CIFAR ResNet-`depth` as a chain of blocks `[stem, L1.., L2.., L3.., head]`.
+
+    >>> blocks = cifar_resnet_blocks(20, width=4)  # stem, 3 groups of 3 blocks, head
+    >>> len(blocks.modules), blocks.name, blocks.authors  # the papers split no ResNet-20
+    (11, 'ResNet-20', {})
+    >>> [type(b).__name__ for b in blocks.modules[:2]], type(blocks.modules[-1]).__name__
+    (['Stem', 'BasicBlock'], 'Head')
+    """
     if not isinstance(depth, int) or depth < 8 or (depth - 2) % 6:
         raise ValueError(
             f"A CIFAR ResNet has depth 6n+2 with n >= 1 (20, 56, 110, ...), got {depth}."
@@ -211,7 +242,12 @@ def wide_resnet(
 def wide_resnet_blocks(
     depth: int = 28, widen: int = 10, num_classes: int = 10, *, in_channels: int = 3, rngs=0
 ) -> Blocks:
-    """WRN-`depth`-`widen` as a chain of blocks `[stem, L1.., L2.., L3.., head]`."""
+    """WRN-`depth`-`widen` as a chain of blocks `[stem, L1.., L2.., L3.., head]`.
+
+    >>> blocks = wide_resnet_blocks(16, 1)  # stem, 3 groups of 2 blocks, head
+    >>> len(blocks.modules), blocks.name, [len(s.layers) for s in blocks.stages(2)]
+    (8, 'WRN-16-1', [4, 4])
+    """
     if not isinstance(depth, int) or depth < 10 or (depth - 4) % 6:
         raise ValueError(
             f"A Wide ResNet has depth 6n+4 with n >= 1 (16, 28, 40, ...), got {depth}."

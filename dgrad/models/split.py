@@ -55,6 +55,14 @@ def balanced_cuts(costs: Sequence[float], num_stages: int) -> list[int]:
 
 
 def check_num_stages(num_stages: int, num_blocks: int, model: str = "This model") -> None:
+    """Raises ValueError unless `num_stages` is a positive integer of at most `num_blocks`.
+
+    >>> check_num_stages(3, 3)  # fits: returns None
+    >>> check_num_stages(4, 3, "The MLP")
+    Traceback (most recent call last):
+        ...
+    ValueError: The MLP has 3 splittable blocks, so it cannot be cut into num_stages=4 stages; ...
+    """
     if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
         raise ValueError(f"num_stages must be a positive integer, got {num_stages!r}.")
     if num_stages > num_blocks:
@@ -65,6 +73,15 @@ def check_num_stages(num_stages: int, num_blocks: int, model: str = "This model"
 
 
 def check_cuts(cuts: Sequence[int], num_blocks: int) -> list[int]:
+    """`cuts` as a list if they are strictly increasing block indices in 1..num_blocks-1.
+
+    >>> check_cuts((1, 2), 4)
+    [1, 2]
+    >>> check_cuts([2, 1], 4)
+    Traceback (most recent call last):
+        ...
+    ValueError: cuts must be strictly increasing block indices in 1..3, got [2, 1].
+    """
     cuts = list(cuts)
     if (
         any(not isinstance(c, int) for c in cuts)
@@ -93,6 +110,16 @@ def choose_cuts(
       num_stages: K.
       costs: one cost per block, for balancing.
       authors: the papers' cuts for this model, by K.
+
+    >>> costs, authors = [1, 1, 1, 3], {2: [2]}
+    >>> choose_cuts("auto", 2, costs, authors), choose_cuts("balanced", 2, costs, authors)
+    ([2], [3])
+    >>> choose_cuts("auto", 3, costs, authors), choose_cuts([2, 3], 3, costs)  # no authors' K=3
+    ([1, 3], [2, 3])
+    >>> choose_cuts("authors", 3, costs, authors, model="Net")
+    Traceback (most recent call last):
+        ...
+    ValueError: The papers give no split of Net into 3 stages (they give K in [2]); ...
     """
     check_num_stages(num_stages, len(costs), model)
     authors = authors or {}
@@ -139,6 +166,11 @@ class Blocks:
         `dgrad.balance.profile_blocks` measures real times instead.
       authors: the papers' cut positions by number of stages.
       name: the model's name, for error messages.
+
+    >>> from dgrad.models import mlp_blocks
+    >>> blocks = Blocks(mlp_blocks([4, 8, 8, 3]).modules, costs=[1, 1, 2], authors={2: [1]})
+    >>> len(blocks.modules), blocks.name
+    (3, 'This model')
     """
 
     modules: list
@@ -147,6 +179,14 @@ class Blocks:
     name: str = "This model"
 
     def stages(self, num_stages: int, split: str | Sequence[int] = "auto") -> list[nnx.Sequential]:
-        """Cuts the chain into `num_stages` stages, see `choose_cuts` for `split`."""
+        """Cuts the chain into `num_stages` stages, see `choose_cuts` for `split`.
+
+        >>> from dgrad.models import mlp_blocks
+        >>> blocks = Blocks(mlp_blocks([4, 8, 8, 3]).modules, costs=[1, 1, 2], authors={2: [1]})
+        >>> [len(s.layers) for s in blocks.stages(2)]  # the authors' cut
+        [1, 2]
+        >>> [len(s.layers) for s in blocks.stages(2, "balanced")]  # costs 2 and 2
+        [2, 1]
+        """
         cuts = choose_cuts(split, num_stages, self.costs, self.authors, model=self.name)
         return stages_from_blocks(self.modules, cuts)

@@ -19,7 +19,14 @@ import optax
 
 
 class DelayCompensationState(NamedTuple):
-    """`mean_square`: running mean of squared gradients (adaptive variant; else None)."""
+    """`mean_square`: running mean of squared gradients (adaptive variant; else None).
+
+    >>> import jax.numpy as jnp
+    >>> delay_compensation(0.5).init(jnp.zeros(2))
+    DelayCompensationState(mean_square=None)
+    >>> delay_compensation(0.5, adaptive=True).init(jnp.zeros(2))
+    DelayCompensationState(mean_square=Array([0., 0.], dtype=float32))
+    """
 
     mean_square: Any
 

@@ -30,6 +30,11 @@ class DelayState(NamedTuple):
       buffer: the last `tau` gradients, each leaf stacked on a new leading axis
         (a ring: gradient `count` lives in slot `count % tau`).
       inner_state: the wrapped transformation's state.
+
+    >>> import jax.numpy as jnp, optax
+    >>> state = delay(optax.sgd(0.1), tau=2).init(jnp.zeros(3))
+    >>> state.count, state.buffer.shape, state.inner_state  # two gradients of shape (3,) kept
+    (Array(0, dtype=int32), (2, 3), (EmptyState(), EmptyState()))
     """
 
     count: jax.Array

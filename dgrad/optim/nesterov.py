@@ -81,6 +81,10 @@ class AsyncNesterovState(NamedTuple):
       nu: running mean of the squared gradients, decayed by b2.
       mu_product: the product of the Nesterov momentum schedule so far,
         `mu_1 * ... * mu_count` (1 before the first update).
+
+    >>> import jax.numpy as jnp
+    >>> scale_by_async_nesterov(delay=0, num_stages=1).init(jnp.zeros(2))
+    AsyncNesterovState(count=Array(0, dtype=int32), mu=Array([0., 0.], dtype=float32), ...)
     """
 
     count: jax.Array
@@ -118,6 +122,13 @@ def stage_momentum(delay: int, num_stages: int, b1: float = 0.9, b1_target: floa
 
     Returns:
       The stage's momentum, in [0, 1).
+
+    >>> round(stage_momentum(2, num_stages=4), 4), stage_momentum(0, num_stages=4)
+    (0.945, 0.9)
+    >>> stage_momentum(4, num_stages=4)
+    Traceback (most recent call last):
+        ...
+    ValueError: delay (4) must be smaller than num_stages (4), as every PipeDream delay ...
     """
     if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
         raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
@@ -160,6 +171,15 @@ def scale_by_async_nesterov(
 
     Returns:
       An `optax.GradientTransformation` with state `AsyncNesterovState`.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = scale_by_async_nesterov(delay=1, num_stages=2, momentum_decay=None)  # b1_k = 0.945
+    >>> updates, state = tx.update(jnp.array([1.0, -2.0]), tx.init(jnp.zeros(2)))
+    >>> updates, state.count
+    (Array([ 1.4858515, -1.4858515], dtype=float32), Array(1, dtype=int32))
+    >>> adam = optax.scale_by_adam(b1=0.945, nesterov=True)  # the same direction
+    >>> adam.update(jnp.array([1.0, -2.0]), adam.init(jnp.zeros(2)))[0]
+    Array([ 1.4858514, -1.4858514], dtype=float32)
     """
     momentum = stage_momentum(delay, num_stages, b1, b1_target)
     b2 = _check_unit_interval("b2", b2)

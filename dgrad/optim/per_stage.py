@@ -16,7 +16,17 @@ Optimizer = optax.GradientTransformation | Callable[[int], optax.GradientTransfo
 
 
 def for_stage(optimizer: Optimizer, stage: int) -> optax.GradientTransformation:
-    """`optimizer` itself, or `optimizer(stage)` when it is a factory; checks the type."""
+    """`optimizer` itself, or `optimizer(stage)` when it is a factory; checks the type.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = for_stage(lambda k: optax.sgd(0.1 * (k + 1)), 1)  # stage 1's: sgd(0.2)
+    >>> tx.update(jnp.ones(1), tx.init(jnp.zeros(1)))[0]
+    Array([-0.2], dtype=float32)
+    >>> for_stage(lambda k: "sgd", 0)
+    Traceback (most recent call last):
+        ...
+    TypeError: optimizer must be an optax.GradientTransformation or a function from the stage ...
+    """
     tx = (
         optimizer(stage)
         if callable(optimizer) and not isinstance(optimizer, optax.GradientTransformation)

@@ -10,6 +10,15 @@ import optax
 
 
 class PipeMareState(NamedTuple):
+    """State of `pipemare_rescale`: `count`, the updates made so far (t).
+
+    >>> import jax.numpy as jnp
+    >>> tx = pipemare_rescale(tau=4, horizon=2)
+    >>> state = tx.init(jnp.zeros(1))
+    >>> state, tx.update(jnp.ones(1), state)[1]
+    (PipeMareState(count=Array(0, dtype=int32)), PipeMareState(count=Array(1, dtype=int32)))
+    """
+
     count: jax.Array
 
 

@@ -49,7 +49,19 @@ __all__ = ["SetupError", "Stopped", "StopRequests", "WorkdirError", "train"]
 
 class SetupError(ValueError):
     """A run could not start: a config value, the workdir, or the model does not work;
-    the message names what and how to fix it. Nothing was written."""
+    the message names what and how to fix it. Nothing was written.
+
+    >>> import os, tempfile
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> config.batch_size = 0
+    >>> with tempfile.TemporaryDirectory() as workdir:
+    ...     try:
+    ...         train(config, workdir)
+    ...     except SetupError as error:
+    ...         print(error, os.listdir(workdir))
+    config.batch_size = 0 is not valid: use a positive integer. []
+    """
 
 
 def __getattr__(name: str):
@@ -127,6 +139,20 @@ def train(
     Raises:
       SetupError naming the field, directory or stage at fault (nothing written);
       `dgrad.data.DatasetNotFoundError`; `Stopped` when stopped by a signal.
+
+    >>> import io, tempfile
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()  # an MLP on the digits, FDG K=2, 2 steps
+    >>> config.dataset, config.model.name, config.split = "digits", "mlp", "balanced"
+    >>> config.num_epochs, config.steps_per_epoch, config.batch_size = 1, 2, 16
+    >>> lines, bar = [], io.StringIO()
+    >>> with tempfile.TemporaryDirectory() as workdir:
+    ...     first = train(config, workdir, log=lines.append, progress_stream=bar)
+    ...     again = train(config, workdir, log=lines.append, progress_stream=bar)
+    >>> sorted(first), first["FDG K=2"]["step"], again == first  # the second call resumes
+    (['FDG K=2'], 2, True)
+    >>> lines[-1]
+    '... finished earlier: nothing left to train.'
     """
     from dgrad.train import config as fields
     from dgrad.train import workdir

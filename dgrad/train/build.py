@@ -23,7 +23,15 @@ from dgrad.train.config import Run
 
 
 def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
-    """The config's dataset (raises `data.DatasetNotFoundError` saying how to prepare it)."""
+    """The config's dataset (raises `data.DatasetNotFoundError` saying how to prepare it).
+
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> config.dataset = "digits"
+    >>> dataset = load_dataset(config)
+    >>> dataset.name, len(dataset.train), dataset.input_shape
+    ('digits', 1438, (8, 8, 1))
+    """
     return data.load(
         config.dataset,
         data_dir=config.data_dir or None,
@@ -33,6 +41,18 @@ def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
 
 
 def steps_per_epoch(config: ml_collections.ConfigDict, dataset: data.Dataset) -> int:
+    """Batches per epoch: the training split's full batches, or `config.steps_per_epoch` if fewer.
+
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> config.dataset, config.batch_size = "digits", 100
+    >>> dataset = load_dataset(config)
+    >>> steps_per_epoch(config, dataset)  # 1438 // 100
+    14
+    >>> config.steps_per_epoch = 5
+    >>> steps_per_epoch(config, dataset)
+    5
+    """
     full = data.Stream(  # (it checks the batch size)
         dataset.train, config.batch_size, transform=None, seed=0
     ).steps_per_epoch
@@ -46,7 +66,15 @@ def steps_per_epoch(config: ml_collections.ConfigDict, dataset: data.Dataset) ->
 
 
 def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: data.Dataset):
-    """The model of `config.model`, cut into `num_stages` stages by `config.split`."""
+    """The model of `config.model`, cut into `num_stages` stages by `config.split`.
+
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> config.dataset, config.model.name, config.split = "digits", "mlp", "balanced"
+    >>> stages = build_stages(config, 2, load_dataset(config))
+    >>> [len(stage.layers) for stage in stages]  # the MLP 64 -> 128 -> 128 -> 10
+    [1, 2]
+    """
     spec, classes, channels = config.model, dataset.num_classes, dataset.input_shape[-1]
     if spec.name == "cifar_resnet":
         return models.cifar_resnet(
@@ -83,14 +111,28 @@ def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: da
 
 
 def authors_boundaries(method: str) -> tuple[int, ...]:
-    """Epochs where the papers divide the learning rate by 10 (FDG adds a third decay)."""
+    """Epochs where the papers divide the learning rate by 10 (FDG adds a third decay).
+
+    >>> authors_boundaries("fdg"), authors_boundaries("ddg")
+    ((150, 225, 275), (150, 225))
+    """
     return (150, 225, 275) if method == "fdg" else (150, 225)
 
 
 def resolved_optimizer(config: ml_collections.ConfigDict, method: str) -> dict[str, Any]:
     """`config.optimizer` with its unset fields filled by the authors' choice for `method`:
     decay epochs (`authors_boundaries`), Nesterov momentum (DDG's code used it), and the
-    ADL code's 5-epoch warm-up when gradients accumulate."""
+    ADL code's 5-epoch warm-up when gradients accumulate.
+
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> resolved_optimizer(config, "fdg")
+    {'boundaries': (150, 225, 275), 'decay': 0.1, 'learning_rate': 0.1, 'momentum': 0.9, ...}
+    >>> config.optimizer.nesterov, config.accumulate = False, 2  # a set field stays as set
+    >>> spec = resolved_optimizer(config, "ddg")
+    >>> spec["nesterov"], spec["warmup_epochs"], spec["boundaries"]
+    (False, 5, (150, 225))
+    """
     spec = config.optimizer.to_dict()
     if spec["boundaries"] is None:
         spec["boundaries"] = authors_boundaries(method)
@@ -106,7 +148,18 @@ def learning_rate(
 ) -> optax.Schedule:
     """The learning rate of a stage's n-th update. With `accumulate` = M a stage updates
     once every M steps, so epochs are counted in steps / M (as the ADL code counts data
-    steps); a warm-up rises linearly from lr / 100 to lr."""
+    steps); a warm-up rises linearly from lr / 100 to lr.
+
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()  # lr 0.1, divided by 10 at epochs 150, 225 and 275 (FDG)
+    >>> rate = learning_rate(config, "fdg", steps_per_epoch=10)
+    >>> [round(float(rate(n)), 6) for n in (0, 1499, 1500, 2250)]
+    [0.1, 0.1, 0.01, 0.001]
+    >>> config.optimizer.warmup_epochs = 1  # 10 updates: lr * (0.01 + 0.99 * (n + 1) / 10)
+    >>> rate = learning_rate(config, "fdg", steps_per_epoch=10)
+    >>> [round(float(rate(n)), 6) for n in (0, 4, 9, 10)]
+    [0.0109, 0.0505, 0.1, 0.1]
+    """
     spec = resolved_optimizer(config, method)
     updates_per_epoch = steps_per_epoch / accumulate
     rate, total = spec["learning_rate"], int(config.num_epochs * updates_per_epoch)
@@ -136,6 +189,16 @@ def build_optimizer(
 
     Schedules count each stage's own updates (so a stage that starts updating
     later in an FDG pipeline reaches each boundary a few steps later).
+
+    >>> import jax.numpy as jnp
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> tx = build_optimizer(config, "ddg", steps_per_epoch=10)  # Nesterov: lr * (1 + 0.9)
+    >>> tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))[0]
+    Array([-0.19, -0.19], dtype=float32)
+    >>> tx = build_optimizer(config, "fdg", steps_per_epoch=10)  # plain momentum
+    >>> tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))[0]
+    Array([-0.1, -0.1], dtype=float32)
     """
     spec = resolved_optimizer(config, method)
     return optax.chain(
@@ -156,7 +219,16 @@ def build_pipeline(
     devices,
 ) -> Pipeline:
     """The run's pipeline on `devices` (the fused baseline uses D of them, one from each
-    process in turn)."""
+    process in turn).
+
+    >>> import jax
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> config.dataset, config.model.name, config.split = "digits", "mlp", "balanced"
+    >>> run = fields.runs_of(config)[0]
+    >>> build_pipeline(config, run, load_dataset(config), 10, jax.devices()[:1])
+    Pipeline(method='fdg', num_stages=2, beta=1.0, weights='stash', memory='residuals', ...)
+    """
     stages = build_stages(config, run.num_stages, dataset)
     if run.method == "dgl":
         example = np.zeros((1, *dataset.input_shape), np.float32)

@@ -51,6 +51,18 @@ class Checkpointer:
     Args:
       directory: where the numbered checkpoints go (created if missing).
       keep: how many of the newest checkpoints to keep.
+
+    >>> import tempfile, jax.numpy as jnp, optax
+    >>> import dgrad
+    >>> from dgrad import models
+    >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+    >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     with Checkpointer(directory, keep=2) as checkpoints:
+    ...         for step in (1, 2, 3):
+    ...             checkpoints.save(state.replace(step=step))
+    ...         print(checkpoints.all_steps())  # the oldest is gone
+    [2, 3]
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
@@ -73,17 +85,61 @@ class Checkpointer:
         self.close()
 
     def close(self):
+        """Waits for orbax's work on the directory to finish and releases it.
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     checkpoints = Checkpointer(directory)
+        ...     checkpoints.close()  # what `with Checkpointer(...)` does on leaving
+        """
         self._manager.close()
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint, or None."""
+        """The step of the newest complete checkpoint, or None.
+
+        >>> import tempfile, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     print(checkpoints.latest_step())
+        ...     checkpoints.save(state.replace(step=7))
+        ...     print(checkpoints.latest_step())
+        None
+        7
+        """
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """The steps of every complete checkpoint kept, oldest first.
+
+        >>> import tempfile, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.save(state.replace(step=3))
+        ...     checkpoints.save(state.replace(step=5))
+        ...     print(checkpoints.all_steps())
+        [3, 5]
+        """
         return list(self._manager.all_steps())
 
     def save(self, state: PipelineState, extra: dict[str, Any] | None = None) -> None:
-        """Saves `state` (and the JSON-able `extra`) as checkpoint number `state.step`."""
+        """Saves `state` (and the JSON-able `extra`) as checkpoint number `state.step`.
+
+        >>> import os, tempfile, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.save(state, {"epoch": 0})
+        ...     print(os.listdir(directory), sorted(os.listdir(os.path.join(directory, "0"))))
+        ['0'] [..., 'meta', 'state']
+        """
         meta = {"step": state.step, "num_stages": len(state.stages), "extra": extra or {}}
         # orbax's barriers are collectives too: the gathers of `share` finish first, so
         # that no process pairs one of them with a barrier.
@@ -98,13 +154,36 @@ class Checkpointer:
 
     def meta(self, step: int | None = None) -> dict[str, Any]:
         """What checkpoint `step` (default the newest) holds beside its arrays: its `step`,
-        `num_stages` and the `extra` it was saved with. Reads one small file."""
+        `num_stages` and the `extra` it was saved with. Reads one small file.
+
+        >>> import tempfile, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.save(state.replace(step=4), {"epoch": 2})
+        ...     print(checkpoints.meta())
+        {'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
+        """
         step = self._require(step)
         restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return restored["meta"]
 
     def extra(self, step: int | None = None) -> dict[str, Any]:
-        """The `extra` saved with checkpoint `step` (default the newest)."""
+        """The `extra` saved with checkpoint `step` (default the newest).
+
+        >>> import tempfile, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.save(state.replace(step=1), {"epoch": 0})
+        ...     checkpoints.save(state.replace(step=2), {"epoch": 1})
+        ...     print(checkpoints.extra(), checkpoints.extra(1))
+        {'epoch': 1} {'epoch': 0}
+        """
         return self.meta(step)["extra"]
 
     def restore(self, pipe, step: int | None = None) -> tuple[PipelineState, dict[str, Any]]:
@@ -112,6 +191,25 @@ class Checkpointer:
 
         `pipe` must be initialised (`pipe.init(example_batch)`); every array goes
         to the devices `pipe` places its stage on.
+
+        >>> import tempfile, jax, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init(batch)
+        >>> other = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> _ = other.init(batch)
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.save(state, {"epoch": 0})
+        ...     restored, extra = checkpoints.restore(pipe)
+        ...     checkpoints.restore(other)
+        Traceback (most recent call last):
+            ...
+        ValueError: The checkpoint holds 1 stages but this pipeline has 2; resume with the same ...
+        >>> same = jax.tree.map(jnp.array_equal, restored.stages, state.stages)
+        >>> extra, all(jax.tree.leaves(same))
+        ({'epoch': 0}, True)
         """
         meta = self.meta(step)
         if meta["num_stages"] != pipe.num_stages:

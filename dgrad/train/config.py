@@ -42,7 +42,14 @@ SPLITS = ("authors", "balanced", "auto")
 @dataclasses.dataclass(frozen=True)
 class Field:
     """One config field: `name` (dotted when nested), default, meaning, and whether a
-    resumed run may change it (it changes how the run is watched or fed, not its numbers)."""
+    resumed run may change it (it changes how the run is watched or fed, not its numbers).
+
+    >>> by_name = {field.name: field for field in FIELDS}
+    >>> by_name["log_every_steps"]  # a resumed run may log at another pace
+    Field(name='log_every_steps', default=50, help='steps between ...', kind=None, resumable=True)
+    >>> by_name["optimizer.nesterov"].default, by_name["optimizer.nesterov"].kind
+    (None, <class 'bool'>)
+    """
 
     name: str
     default: Any
@@ -157,7 +164,12 @@ RESUMABLE_FIELDS = tuple(f.name for f in FIELDS if f.resumable)
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One training run of an experiment."""
+    """One training run of an experiment.
+
+    >>> run = Run("fdg_k2", "FDG K=2", "fdg", 2, False)
+    >>> run.label, run.title, run.num_stages
+    ('fdg_k2', 'FDG K=2', 2)
+    """
 
     label: str  # directory name under the workdir
     title: str  # for people
@@ -167,7 +179,15 @@ class Run:
 
 
 def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
-    """The config's method, then its baseline (fused BP on one device group) if it asks for one."""
+    """The config's method, then its baseline (fused BP on one device group) if it asks for one.
+
+    >>> config = base()
+    >>> runs_of(config)
+    [Run(label='fdg_k2', title='FDG K=2', method='fdg', num_stages=2, fused=False)]
+    >>> config.baseline = "bp"
+    >>> [run.label for run in runs_of(config)]
+    ['fdg_k2', 'bp_fused']
+    """
     k = config.num_stages
     runs = [Run(f"{config.method}_k{k}", f"{config.method.upper()} K={k}", config.method, k, False)]
     if config.baseline == "bp":
@@ -176,7 +196,16 @@ def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
 
 
 def base() -> ml_collections.ConfigDict:
-    """A config holding every field at its default; new fields cannot be added (typos fail)."""
+    """A config holding every field at its default; new fields cannot be added (typos fail).
+
+    >>> config = base()
+    >>> config.model.name, config.num_stages, config.optimizer.learning_rate
+    ('cifar_resnet', 2, 0.1)
+    >>> config.numstages = 4
+    Traceback (most recent call last):
+        ...
+    AttributeError: 'Key "numstages" does not exist and cannot be added since the config ...
+    """
     config = ml_collections.ConfigDict()
     for field in FIELDS:
         *parents, leaf = field.name.split(".")
@@ -192,7 +221,11 @@ def base() -> ml_collections.ConfigDict:
 
 
 def describe() -> str:
-    """Every field with its default and meaning, for `--help`."""
+    """Every field with its default and meaning, for `--help`.
+
+    >>> [line for line in describe().splitlines() if "--config.num_stages " in line]
+    ['  --config.num_stages               K, the number of pipeline stages [2]']
+    """
     width = max(len(name) for name in FIELD_NAMES)
     lines = []
     for field in FIELDS:
@@ -269,7 +302,13 @@ def set_field(config: ml_collections.ConfigDict, name: str, value) -> None:
 
 
 def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
-    """Fields by dotted name."""
+    """Fields by dotted name.
+
+    >>> flatten({"a": 1, "b": {"c": 2, "d": {"e": 3}}})
+    {'a': 1, 'b.c': 2, 'b.d.e': 3}
+    >>> flatten(base())["optimizer.learning_rate"]
+    0.1
+    """
     out = {}
     for key, value in config.items() if hasattr(config, "items") else config:
         if isinstance(value, (dict, ml_collections.ConfigDict)):
@@ -284,7 +323,16 @@ def _fail(field: str, value, expected: str):
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the field and the fix for any value that cannot work."""
+    """Raises ValueError naming the field and the fix for any value that cannot work.
+
+    >>> check(base())  # the defaults work: returns None
+    >>> config = base()
+    >>> config.method, config.beta = "ddg", 0.5
+    >>> check(config)
+    Traceback (most recent call last):
+        ...
+    ValueError: config: beta=0.5 asks for gradient shrinking, which only FDG has; ...
+    """
     values = flatten(config)
     for name in values:
         if name not in FIELD_NAMES:
@@ -349,7 +397,12 @@ def check(config: ml_collections.ConfigDict) -> None:
 
 
 def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config as plain JSON values (tuples become lists)."""
+    """The config as plain JSON values (tuples become lists).
+
+    >>> config = base()
+    >>> type(config.model.hidden), to_json(config)["model"]["hidden"]
+    (<class 'tuple'>, [128, 128])
+    """
     import json
 
     return json.loads(config.to_json())
@@ -388,6 +441,12 @@ def paper(
 
     `variant="smoke"` keeps the method, K and data but shrinks the model and the run
     to a CPU-sized one, see `smoke`.
+
+    >>> config = paper("cifar10", "cifar_resnet", 56, num_stages=4, beta=0.5)
+    >>> config.num_stages, config.beta, config.split, config.batch_size, config.num_epochs
+    (4, 0.5, 'authors', 128, 300)
+    >>> paper("cifar10", "cifar_resnet", 56, variant="smoke").model.depth
+    20
     """
     config = base()
     config.dataset = dataset
@@ -462,7 +521,15 @@ def _mistake_in(path: str, error: Exception) -> str:
 
 
 def with_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
-    """`config` itself, or its `smoke` variant; any other variant is refused."""
+    """`config` itself, or its `smoke` variant; any other variant is refused.
+
+    >>> with_variant(base(), "").num_epochs, with_variant(base(), "smoke").num_epochs
+    (300, 2)
+    >>> with_variant(base(), "tiny")
+    Traceback (most recent call last):
+        ...
+    ValueError: unknown config variant 'tiny'; the only variant is smoke
+    """
     if variant == "smoke":
         return smoke(config)
     if variant:
@@ -473,7 +540,12 @@ def with_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collecti
 def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Shrinks `config` in place to a CPU-sized run of the same method and data: ResNet-20
     or WRN-16-2 with a balanced split (the authors' splits exist only at full depth), 2
-    epochs of 8 batches of 32, 256 test images."""
+    epochs of 8 batches of 32, 256 test images.
+
+    >>> config = smoke(base())
+    >>> config.model.depth, config.split, config.num_epochs, config.steps_per_epoch
+    (20, 'balanced', 2, 8)
+    """
     if config.model.name == "cifar_resnet":
         config.model.depth = 20
     elif config.model.name == "wide_resnet":

@@ -22,7 +22,13 @@ from dgrad.state import PipelineState
 
 
 class Limited:
-    """The first `n` examples of a source (for smoke-sized evaluation)."""
+    """The first `n` examples of a source (for smoke-sized evaluation).
+
+    >>> from dgrad import data
+    >>> few = Limited(data.synthetic(10, (2, 2, 1)), 4)
+    >>> len(few), len(Limited(few, 100))  # never more than the source has
+    (4, 4)
+    """
 
     def __init__(self, source: data.Source, n: int):
         self.source, self.n = source, min(n, len(source))
@@ -31,6 +37,14 @@ class Limited:
         return self.n
 
     def get(self, indices):
+        """The source's examples at `indices` (which `len` keeps below `n`).
+
+        >>> import numpy as np
+        >>> from dgrad import data
+        >>> source = data.synthetic(10, (2, 2, 1))
+        >>> bool((Limited(source, 4).get(np.arange(3))[1] == source.labels[:3]).all())
+        True
+        """
         return self.source.get(indices)
 
 

@@ -63,7 +63,15 @@ def truncate(path: str | os.PathLike, after_step: int) -> None:
 
 class MetricWriter:
     """Appends records to a JSON-lines file and, if `tensorboard_dir` is given and
-    tensorboardX is installed, to TensorBoard (scalars named `kind/name`)."""
+    tensorboardX is installed, to TensorBoard (scalars named `kind/name`).
+
+    >>> import os, tempfile
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     with MetricWriter(os.path.join(directory, "m.jsonl"), directory) as writer:
+    ...         writer.write({"kind": "train", "step": 4, "loss": 2.0})
+    ...     print(read(writer.path), writer.has_tensorboard)
+    [{'kind': 'train', 'step': 4, 'loss': 2.0}] True
+    """
 
     def __init__(self, path: str | os.PathLike, tensorboard_dir: str | None = None):
         self.path = path
@@ -82,6 +90,16 @@ class MetricWriter:
         return self._tensorboard is not None
 
     def write(self, record: Mapping[str, Any]) -> None:
+        """Appends `record` (with its `kind` and `step`) as one line, flushed at once.
+
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     writer = MetricWriter(os.path.join(directory, "m.jsonl"))
+        ...     writer.write({"kind": "epoch", "step": 8, "epoch": 1})
+        ...     print(open(writer.path).read(), end="")  # on disk before close
+        ...     writer.close()
+        {"kind": "epoch", "step": 8, "epoch": 1}
+        """
         self._file.write(json.dumps(dict(record)) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
@@ -96,6 +114,17 @@ class MetricWriter:
                     self._tensorboard.add_scalar(tag, value, record["step"])
 
     def close(self) -> None:
+        """Closes the file (and the TensorBoard writer); `with MetricWriter(...)` calls it.
+
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     writer = MetricWriter(os.path.join(directory, "m.jsonl"))
+        ...     writer.close()
+        ...     writer.write({"kind": "train", "step": 1})
+        Traceback (most recent call last):
+            ...
+        ValueError: I/O operation on closed file.
+        """
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
@@ -118,6 +147,14 @@ def plot_curves(
 
     Drawn on a `matplotlib.figure.Figure` of its own: the global backend (a
     notebook's) is left alone.
+
+    >>> import os, tempfile
+    >>> epochs = [{"epoch": 1, "train_loss": 2.0, "test_accuracy": 0.4},
+    ...           {"epoch": 2, "train_loss": 1.0, "test_accuracy": 0.6}]
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     path = plot_curves({"FDG K=2": epochs}, os.path.join(directory, "curves.png"))
+    ...     print(os.path.basename(path), os.path.getsize(path) > 0)
+    curves.png True
     """
     from matplotlib.figure import Figure
 

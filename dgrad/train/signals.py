@@ -27,7 +27,16 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Stopped(Exception):
-    """Training stopped on request; `checkpoint_step` is the step saved last (None if none)."""
+    """Training stopped on request; `checkpoint_step` is the step saved last (None if none).
+
+    >>> stop = StopRequests()
+    >>> stop.request()
+    >>> try:
+    ...     stop.check("loading the data")
+    ... except Stopped as stopped:
+    ...     print(stopped, stopped.signal_number, stopped.checkpoint_step)
+    Stopped while loading the data, before training; nothing saved. 15 None
+    """
 
     def __init__(self, signal_number: int, message: str, checkpoint_step: int | None = None):
         super().__init__(message)
@@ -39,6 +48,12 @@ class StopRequests:
 
     Outside the main thread (where Python cannot take signals) it only holds
     the flag, which `request` sets.
+
+    >>> stop = StopRequests()
+    >>> with stop:  # the handlers are in place only inside
+    ...     stop.check("building the model")  # nothing asked: returns None
+    >>> stop.requested is None
+    True
     """
 
     def __init__(self):
@@ -64,12 +79,36 @@ class StopRequests:
         self.request(number)
 
     def request(self, number: int = signal.SIGTERM) -> None:
+        """Asks for a stop as the signal `number` would (from any thread).
+
+        >>> stop = StopRequests()
+        >>> stop.request()
+        >>> stop.requested
+        <Signals.SIGTERM: 15>
+        """
         self.requested = number
 
     def check(self, what: str) -> None:
-        """Raises `Stopped` (saying nothing was trained yet) if a stop was asked for."""
+        """Raises `Stopped` (saying nothing was trained yet) if a stop was asked for.
+
+        >>> stop = StopRequests()
+        >>> stop.check("compiling")  # no stop asked for: returns None
+        >>> stop.request()
+        >>> stop.check("compiling")
+        Traceback (most recent call last):
+            ...
+        dgrad.train.signals.Stopped: Stopped while compiling, before training; nothing saved.
+        """
         if self.requested is not None:
             raise Stopped(self.requested, f"Stopped while {what}, before training; nothing saved.")
 
     def exit_status(self) -> int:
+        """The process's exit status for the signal that stopped it: 128 + its number.
+
+        >>> import signal
+        >>> stop = StopRequests()
+        >>> stop.request(signal.SIGINT)
+        >>> stop.exit_status()
+        130
+        """
         return 128 + (self.requested or 0)

@@ -43,7 +43,13 @@ SWEEP_FILE = "sweep.json"
 
 
 class SweepError(ValueError):
-    """A grid or workdir that cannot be swept; the message says what to do."""
+    """A grid or workdir that cannot be swept; the message says what to do.
+
+    >>> parse_grid("method")
+    Traceback (most recent call last):
+        ...
+    dgrad.train.sweep.SweepError: --grid item 'method': write field=value1,value2
+    """
 
 
 def _text(value) -> str:
@@ -87,7 +93,12 @@ def parse_grid(text: str) -> dict[str, list[Any]]:
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One combination of the grid."""
+    """One combination of the grid.
+
+    >>> run = Run((("method", "fdg"), ("num_stages", 4)))
+    >>> run.name  # its directory under runs/
+    'method-fdg_num_stages-4'
+    """
 
     settings: tuple[tuple[str, Any], ...]
 
@@ -98,9 +109,20 @@ class Run:
         )
 
     def describe(self) -> str:
+        """The settings as `field=value` words, for logs and notes.
+
+        >>> Run((("method", "fdg"), ("model.hidden", (64, 64)))).describe()
+        'method=fdg model.hidden=64/64'
+        """
         return " ".join(f"{k}={_text(v)}" for k, v in self.settings)
 
     def overrides(self) -> list[str]:
+        """The settings as the training command's `--config.<field>=<value>` arguments.
+
+        >>> Run((("method", "fdg"), ("model.hidden", (64, 64)))).overrides()
+        ['--config.method=fdg', '--config.model.hidden=64,64']
+        """
+
         def text(value):
             return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
@@ -148,6 +170,13 @@ class Sweep:
       grid: parsed by `parse_grid`.
       workdir: where `sweep.json`, `runs/` and the results go.
       overrides: `--config.<field>=<value>` applied to every run.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as workdir:
+    ...     sweep = Sweep("experiments/configs/default.py:smoke",
+    ...                   parse_grid("method=bp,fdg beta=1,0.5"), workdir)
+    >>> [run.describe() for run in sweep.runs], len(sweep.skipped)  # bp cannot shrink
+    (['method=bp beta=1.0', 'method=fdg beta=1.0', 'method=fdg beta=0.5'], 1)
     """
 
     def __init__(self, config_spec: str, grid, workdir, overrides: Sequence[str] = ()):
@@ -161,13 +190,32 @@ class Sweep:
         self.runs, self.skipped = expand(base, grid)
 
     def identity(self) -> dict[str, Any]:
+        """What makes a sweep this one (its `sweep.json`): config, overrides and grid.
+
+        >>> sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"), "w")
+        >>> sweep.identity()
+        {'config': '...default.py:smoke', 'overrides': [], 'grid': {'seed': [0, 1]}}
+        """
         grid = {
             k: [list(v) if isinstance(v, tuple) else v for v in vs] for k, vs in self.grid.items()
         }
         return {"config": self.config_spec, "overrides": self.overrides, "grid": grid}
 
     def claim(self) -> None:
-        """Makes the workdir this sweep's, or refuses one that holds another sweep."""
+        """Makes the workdir this sweep's, or refuses one that holds another sweep.
+
+        >>> import os, tempfile
+        >>> spec, workdir = "experiments/configs/default.py:smoke", tempfile.TemporaryDirectory()
+        >>> Sweep(spec, parse_grid("seed=0,1"), workdir.name).claim()
+        >>> Sweep(spec, parse_grid("seed=0,1"), workdir.name).claim()  # the same: it resumes
+        >>> os.listdir(workdir.name)
+        ['sweep.json']
+        >>> Sweep(spec, parse_grid("seed=2"), workdir.name).claim()
+        Traceback (most recent call last):
+            ...
+        dgrad.train.sweep.SweepError: ... holds another sweep (...); use a new --workdir, ...
+        >>> workdir.cleanup()
+        """
         path = os.path.join(self.workdir, SWEEP_FILE)
         if os.path.exists(path):
             with open(path) as f:
@@ -186,9 +234,25 @@ class Sweep:
             json.dump(self.identity(), f, indent=2)
 
     def run_dir(self, run: Run) -> str:
+        """The workdir of `run`'s training command.
+
+        >>> import os
+        >>> sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"), "w")
+        >>> os.path.relpath(sweep.run_dir(sweep.runs[1]), sweep.workdir)
+        'runs/seed-1'
+        """
         return os.path.join(self.workdir, "runs", run.name)
 
     def command(self, run: Run) -> list[str]:
+        """The training command of `run`, as argv.
+
+        >>> sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"), "w")
+        >>> command = sweep.command(sweep.runs[1])
+        >>> command[1:4]
+        ['-m', 'experiments.train', '--config=experiments/configs/default.py:smoke']
+        >>> command[4:]
+        ['--config.seed=1', '--workdir=.../w/runs/seed-1']
+        """
         return [
             sys.executable,
             "-m",
@@ -201,7 +265,22 @@ class Sweep:
 
     def execute(self, parallel: int = 1, log=print, cwd: str | None = None) -> int:
         """Runs every run not finished yet, `parallel` at a time; returns the number that
-        failed. SIGINT/SIGTERM stop the runs (each saves its checkpoint) and the sweep."""
+        failed. SIGINT/SIGTERM stop the runs (each saves its checkpoint) and the sweep.
+
+        Here each run's command is replaced by a short Python one that fails for DDG:
+
+        >>> import sys, tempfile
+        >>> with tempfile.TemporaryDirectory() as workdir:
+        ...     sweep = Sweep("experiments/configs/default.py:smoke",
+        ...                   parse_grid("method=ddg,fdg"), workdir)
+        ...     sweep.command = lambda run: [sys.executable, "-c",
+        ...                                  f"exit('ddg' in {run.name!r})"]
+        ...     lines = []
+        ...     print(sweep.execute(parallel=2, log=lines.append))
+        1
+        >>> sorted(line.split(" (")[0] for line in lines)
+        ['failed   method=ddg', 'finished method=fdg', 'started  method=ddg', 'started  method=fdg']
+        """
         pending = list(self.runs)
         running: list[tuple[Run, subprocess.Popen, Any]] = []
         failed, stopped, forwarded = 0, [], 0
@@ -253,7 +332,21 @@ class Sweep:
         return failed
 
     def results(self) -> list[dict[str, Any]]:
-        """One row per run that has evaluated at least once."""
+        """One row per run that has evaluated at least once.
+
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as workdir:
+        ...     sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"),
+        ...                   workdir)
+        ...     run_dir = os.path.join(sweep.run_dir(sweep.runs[0]), "fdg_k2")
+        ...     os.makedirs(run_dir)  # as if seed 0 had trained 2 of its 3 epochs in 2 s
+        ...     with metrics.MetricWriter(os.path.join(run_dir, "metrics.jsonl")) as writer:
+        ...         writer.write({"kind": "epoch", "step": 16, "epoch": 2, "test_accuracy": 0.5,
+        ...                       "train_loss": 1.0, "seconds": 2.0})
+        ...     rows = sweep.results()
+        >>> rows  # seed 1 has not evaluated: no row
+        [{'seed': 0, 'epochs': 2, 'finished': False, 'final_test_accuracy': 0.5, ...}]
+        """
         rows = []
         for run in self.runs:
             run_dir = self.run_dir(run)
@@ -289,7 +382,22 @@ class Sweep:
         return rows
 
     def summarise(self) -> dict[str, str]:
-        """Writes results.csv, results.md and results.png; returns their paths."""
+        """Writes results.csv, results.md and results.png; returns their paths.
+
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as workdir:
+        ...     sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"),
+        ...                   workdir)
+        ...     for run, accuracy in zip(sweep.runs, (0.5, 0.7)):
+        ...         run_dir = os.path.join(sweep.run_dir(run), "fdg_k2")
+        ...         os.makedirs(run_dir)
+        ...         with metrics.MetricWriter(os.path.join(run_dir, "metrics.jsonl")) as writer:
+        ...             writer.write({"kind": "epoch", "step": 24, "epoch": 3,
+        ...                           "test_accuracy": accuracy, "seconds": 2.0})
+        ...     paths = sweep.summarise()
+        ...     print(sorted(paths), open(paths["md"]).read().splitlines()[2])
+        ['csv', 'md', 'png'] | all | 60.00 [50.00-70.00] (n=2) |
+        """
         rows = self.results()
         if not rows:
             raise SweepError(f"no run in {self.workdir} has evaluated yet")

@@ -38,7 +38,17 @@ LOCK_FILE = ".lock"
 
 
 class WorkdirError(ValueError):
-    """The workdir cannot be used for this command; the message says what to do."""
+    """The workdir cannot be used for this command; the message says what to do.
+
+    >>> import os, tempfile
+    >>> from dgrad.train import config as fields
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     open(os.path.join(path, "notes.txt"), "w").close()  # not a dgrad workdir
+    ...     inspect(path, fields.base())
+    Traceback (most recent call last):
+        ...
+    dgrad.train.workdir.WorkdirError: ... holds files but no config.json, so it is not ...
+    """
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +60,13 @@ class Plan:
       existed: whether the directory was there before this command.
       saved: the config the workdir holds (its JSON), if any.
       extends_from: with `extend`, the number of epochs the workdir was trained for.
+
+    >>> import os, tempfile
+    >>> from dgrad.train import config as fields
+    >>> with tempfile.TemporaryDirectory() as parent:
+    ...     plan = inspect(os.path.join(parent, "new"), fields.base())
+    >>> plan.existed, plan.saved, plan.resumes  # a new experiment in a directory to make
+    (False, None, False)
     """
 
     path: str
@@ -156,7 +173,16 @@ def hold(path: str | os.PathLike):
 
 
 def create(plan: Plan, config: ml_collections.ConfigDict) -> None:
-    """Makes the workdir and writes the config (atomically) that it now holds."""
+    """Makes the workdir and writes the config (atomically) that it now holds.
+
+    >>> import os, tempfile
+    >>> from dgrad.train import config as fields
+    >>> with tempfile.TemporaryDirectory() as parent:
+    ...     path = os.path.join(parent, "experiment")
+    ...     create(inspect(path, fields.base()), fields.base())
+    ...     print(os.listdir(path), inspect(path, fields.base()).saved["num_stages"])
+    ['config.json'] 2
+    """
     os.makedirs(plan.path, exist_ok=True)
     temporary = os.path.join(plan.path, CONFIG_FILE + ".tmp")
     with open(temporary, "w") as f:
@@ -165,7 +191,19 @@ def create(plan: Plan, config: ml_collections.ConfigDict) -> None:
 
 
 def take_back(plan: Plan, run_labels) -> None:
-    """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint)."""
+    """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint).
+
+    >>> import os, tempfile
+    >>> from dgrad.train import config as fields
+    >>> with tempfile.TemporaryDirectory() as parent:
+    ...     path = os.path.join(parent, "experiment")
+    ...     plan = inspect(path, fields.base())
+    ...     create(plan, fields.base())
+    ...     os.makedirs(os.path.join(path, "fdg_k2"))  # a run that failed before saving
+    ...     take_back(plan, ["fdg_k2"])
+    ...     print(os.path.exists(path))  # the directory this start made is gone
+    False
+    """
     if plan.resumes:
         return
     for label in run_labels:
@@ -184,7 +222,11 @@ def take_back(plan: Plan, run_labels) -> None:
 
 
 def total_steps(meta: dict[str, Any]) -> int:
-    """How many steps the run of a checkpoint's metadata trains for."""
+    """How many steps the run of a checkpoint's metadata trains for.
+
+    >>> total_steps({"step": 40, "num_stages": 2, "extra": {"total_steps": 100}})
+    100
+    """
     return meta["extra"]["total_steps"]
 
 
@@ -193,6 +235,14 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
 
     Reads only the runs' checkpoint metadata and metrics files, and looks for their
     exported models and the curves (a run killed before its export is not finished).
+
+    >>> import os, tempfile
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     create(inspect(path, config), config)
+    ...     print(final_records(inspect(path, config), fields.runs_of(config)))  # no checkpoint
+    None
     """
     from dgrad.train.checkpoint import Checkpointer
 
