@@ -13,25 +13,14 @@ import dgrad
 ALL_MODULES = ["dgrad"] + sorted(
     module.name for module in pkgutil.walk_packages(dgrad.__path__, prefix="dgrad.")
 )
-MODULES = [
-    name
-    for name in ALL_MODULES
-    if name not in ("dgrad", "dgrad.train.cli")  # cli: its examples are shell commands
-]
+MODULES = [name for name in ALL_MODULES if name != "dgrad"]
 WITHOUT_EXAMPLES = {
     "dgrad.models",  # only imports: the examples are in its modules
 }
 
 # Public names that need no example of their own: a module name stands for every
 # name defined in it. Keep this short; each entry says why.
-ALLOWED_WITHOUT_EXAMPLE = {
-    # The command line: its examples are shell commands (see README.md), and its
-    # module is not run as doctests.
-    "dgrad.train.cli",
-    # The training loop behind `dgrad.train.train` (whose example runs it); being
-    # rewritten in another change. `Tally` has its example.
-    "dgrad.train.loop",
-}
+ALLOWED_WITHOUT_EXAMPLE: set[str] = set()
 
 
 def test_every_module_is_listed():

@@ -33,7 +33,14 @@ from dgrad.train.signals import Stopped, StopRequests
 
 
 class UsageError(Exception):
-    """A mistake on the command line; the message says what to do."""
+    """A mistake on the command line; the message says what to do.
+
+    >>> try:
+    ...     parse(["--config=experiments/configs/default.py", "--config.num_stage=3"])
+    ... except UsageError as error:
+    ...     print(error)
+    --config.num_stage is not a config field; did you mean --config.num_stages?
+    """
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,6 +91,12 @@ def _parser(default_config: str | None = None) -> argparse.ArgumentParser:
 
 
 def help_text() -> str:
+    """What `--help` prints: the flags, then every config field with its meaning.
+
+    >>> text = help_text()
+    >>> "--workdir" in text, "--config.num_stages" in text
+    (True, True)
+    """
     return (
         _parser().format_help()
         + "\nconfig fields (override with --config.<field>=<value>):\n"
@@ -93,7 +106,16 @@ def help_text() -> str:
 
 
 def load_config(spec: str):
-    """`dgrad.train.config.load`, with its mistakes as `UsageError`s."""
+    """`dgrad.train.config.load`, with its mistakes as `UsageError`s.
+
+    >>> config, name = load_config("experiments/configs/default.py:smoke")
+    >>> name, config.method
+    ('default', 'fdg')
+    >>> load_config("nope.py")
+    Traceback (most recent call last):
+    ...
+    dgrad.train.cli.UsageError: --config nope.py: no such file (the configs are in ...)
+    """
     try:
         return fields.load(spec)
     except (FileNotFoundError, ValueError) as error:
@@ -101,7 +123,13 @@ def load_config(spec: str):
 
 
 def apply_overrides(config, overrides: Sequence[str]) -> None:
-    """Sets `--config.<field>=<value>` overrides on `config`."""
+    """Sets `--config.<field>=<value>` overrides on `config`.
+
+    >>> config, _ = load_config("experiments/configs/default.py")
+    >>> apply_overrides(config, ["--config.num_stages=4", "--config.model.name=mlp"])
+    >>> config.num_stages, config.model.name
+    (4, 'mlp')
+    """
     for override in overrides:
         name, equals, text = override[len("--config.") :].partition("=")
         if not equals:
@@ -113,7 +141,14 @@ def apply_overrides(config, overrides: Sequence[str]) -> None:
 
 
 def parse(argv: Sequence[str], default_config: str | None = None):
-    """The parsed flags, and the config with its overrides applied."""
+    """The parsed flags, and the config with its overrides applied.
+
+    >>> args, config, name = parse(
+    ...     ["--config=experiments/configs/default.py", "--workdir=runs/x", "--config.seed=3"]
+    ... )
+    >>> args.workdir, name, config.seed
+    ('runs/x', 'default', 3)
+    """
     args, rest = _parser(default_config).parse_known_args(argv)
     overrides = [a for a in rest if a.startswith("--config.")]
     unknown = [a for a in rest if not a.startswith("--config.")]
@@ -143,7 +178,11 @@ def main(
     stop: StopRequests | None = None,
 ) -> int:
     """Runs the command; returns its exit status. `stop`: the `StopRequests` already
-    catching signals (the script enters one before its imports), else one of its own."""
+    catching signals (the script enters one before its imports), else one of its own.
+
+    >>> main(["--config=experiments/configs/default.py", "--config.num_stages=0"])
+    2
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     with contextlib.ExitStack() as context:
         stop = stop or context.enter_context(StopRequests())

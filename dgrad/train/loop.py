@@ -56,7 +56,12 @@ class Tally:
         self.interval = dict(saved.get("interval", {}))
 
     def add(self, reported: dict[str, Any]) -> dict[str, float]:
-        """Adds one step's metrics (reading them to the host); returns them as floats."""
+        """Adds one step's metrics (reading them to the host); returns them as floats.
+
+        >>> import jax.numpy as jnp
+        >>> Tally().add({"loss": jnp.array(0.5), "batch": 7})  # the batch index is not a metric
+        {'loss': 0.5}
+        """
         if not reported:  # FDG while filling: no batch reached the loss yet
             return {}
         values = {
@@ -76,19 +81,49 @@ class Tally:
         return {f"{prefix}{k}": v / count for k, v in sums.items() if k != "count" and count}
 
     def take_interval(self) -> dict[str, float]:
+        """The means since the last call (a log record's), and a fresh interval.
+
+        >>> tally = Tally()
+        >>> for loss in (1.0, 3.0):
+        ...     _ = tally.add({"loss": loss})
+        >>> tally.take_interval(), tally.take_interval()
+        ({'loss': 2.0}, {})
+        """
         means, self.interval = self._means(self.interval), {}
         return means
 
     def take_epoch(self) -> dict[str, float]:
+        """The epoch's means, named as the epoch record names them, and a fresh epoch.
+
+        >>> tally = Tally()
+        >>> _ = tally.add({"loss": 1.0, "accuracy": 0.5})
+        >>> tally.take_epoch(), tally.take_epoch()
+        ({'train_loss': 1.0, 'train_accuracy': 0.5}, {})
+        """
         means, self.epoch = self._means(self.epoch, "train_"), {}
         return means
 
     def saved(self) -> dict[str, dict[str, float]]:
+        """The sums as a checkpoint carries them (`Tally(saved)` continues from them).
+
+        >>> tally = Tally()
+        >>> _ = tally.add({"loss": 1.0})
+        >>> tally.saved()
+        {'epoch': {'loss': 1.0, 'count': 1}, 'interval': {'loss': 1.0, 'count': 1}}
+        """
         return {"epoch": dict(self.epoch), "interval": dict(self.interval)}
 
 
 def write_probe(writer, reported: dict[str, Any]) -> None:
-    """One `probe` record per stage when the step's metrics hold the staleness probe's."""
+    """One `probe` record per stage when the step's metrics hold the staleness probe's.
+
+    >>> class Records(list):
+    ...     write = list.append
+    >>> records = Records()
+    >>> write_probe(records, {"loss": 1.0, "probe": {0: {"cosine": 0.5}}, "probe_step": 3})
+    >>> records
+    [{'kind': 'probe', 'step': 4, 'stage': 0, 'cosine': 0.5}]
+    """
     if writer is None or "probe" not in reported:
         return
     for stage, values in reported["probe"].items():
@@ -100,7 +135,13 @@ def write_probe(writer, reported: dict[str, Any]) -> None:
 
 @dataclasses.dataclass
 class RunContext:
-    """What a run needs beside its config: where it writes and how it reports."""
+    """What a run needs beside its config: where it writes and how it reports.
+
+    See `train_run` for one built and trained; `dgrad.train.train` builds them.
+
+    >>> sorted(f.name for f in dataclasses.fields(RunContext))[:4]
+    ['dataset', 'extends_from', 'initial', 'log']
+    """
 
     run: Run
     pipe: Pipeline
@@ -152,7 +193,28 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
 
 def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, Any]:
     """Trains one run to `config.num_epochs`, resuming its newest checkpoint; returns its
-    last epoch record."""
+    last epoch record.
+
+    >>> import io, tempfile
+    >>> import numpy as np
+    >>> from dgrad.train import build
+    >>> config, _ = fields.load("experiments/configs/default.py:smoke")
+    >>> config.model.name, config.baseline, config.num_epochs = "mlp", "", 1
+    >>> config.steps_per_epoch = 4
+    >>> dataset = build.load_dataset(config)
+    >>> (run,) = fields.runs_of(config)
+    >>> pipe = build.build_pipeline(config, run, dataset, 4, jax.devices()[:2])
+    >>> first = dataset.train.get(np.arange(config.batch_size))
+    >>> example = dataset.eval_transform.apply(*first, None)
+    >>> with tempfile.TemporaryDirectory() as run_dir:
+    ...     ctx = RunContext(
+    ...         run, pipe, pipe.init(example), dataset, 4, run_dir, log=lambda line: None,
+    ...         progress_stream=io.StringIO(), stop=StopRequests()
+    ...     )
+    ...     record = train_run(config, ctx)
+    >>> record["kind"], record["step"], record["epoch"], 0 <= record["test_accuracy"] <= 1
+    ('epoch', 4, 1, True)
+    """
     pipe, steps_per_epoch = ctx.pipe, ctx.steps_per_epoch
     total = config.num_epochs * steps_per_epoch
     stream = data.Stream(
