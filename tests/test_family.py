@@ -8,6 +8,7 @@ import optax
 import pytest
 from helpers import (
     NUM_CLASSES,
+    SMOOTH_OPTIMIZER,
     assert_close,
     assert_equal,
     assert_matches_reference,
@@ -29,10 +30,19 @@ from dgrad.train.checkpoint import Checkpointer
 
 
 def layouts(num_stages):
-    return {
-        "one device": dict(devices=jax.devices()[:1]),
-        "a device per stage": dict(devices=jax.devices()[:num_stages]),
+    """Name -> (layout, optimizer): one device, one per stage, and for K <= 2 every stage
+    replicated over the 4 devices (with the same SGD on every stage, see helpers)."""
+    found = {
+        "one device": (dict(devices=jax.devices()[:1]), optimizer),
+        "a device per stage": (dict(devices=jax.devices()[:num_stages]), optimizer),
     }
+    if num_stages <= 2:
+        replicas = len(jax.devices()) // num_stages
+        found[f"{replicas} replicas per stage"] = (
+            dict(devices=jax.devices(), data_parallel=replicas),
+            SMOOTH_OPTIMIZER,
+        )
+    return found
 
 
 def dgl_stages(model, num_stages):
@@ -42,9 +52,8 @@ def dgl_stages(model, num_stages):
 
 def run_dgl(model, num_stages, data=None, **kwargs):
     data = data or batches(model, num_steps(num_stages))
-    pipe = dgrad.Pipeline(
-        dgl_stages(model, num_stages), method="dgl", optimizer=optimizer, **kwargs
-    )
+    kwargs = {"optimizer": optimizer, **kwargs}
+    pipe = dgrad.Pipeline(dgl_stages(model, num_stages), method="dgl", **kwargs)
     state, history = pipe.init(data[0]), []
     for batch in data:
         state, metrics = pipe.step(state, batch)
@@ -68,12 +77,18 @@ SIZES = [
 def test_features_replay_is_its_papers_rule_and_a_preset_of_ddg(model, num_stages):
     """The paper's rule, written out module by module in the reference, equals the
     engine's fr, which is bit for bit ddg with current weights and recomputation."""
-    ref = reference(model, num_stages, "fr")
-    for layout in layouts(num_stages).values():
-        _, state, history = run_pipeline(model, num_stages, method="fr", **layout)
+    for layout, tx in layouts(num_stages).values():
+        ref = reference(model, num_stages, "fr", optimizer=tx)
+        _, state, history = run_pipeline(model, num_stages, method="fr", optimizer=tx, **layout)
         assert_matches_reference(state, history, ref)
         _, preset, _ = run_pipeline(
-            model, num_stages, method="ddg", weights="current", memory="recompute", **layout
+            model,
+            num_stages,
+            method="ddg",
+            weights="current",
+            memory="recompute",
+            optimizer=tx,
+            **layout,
         )
         assert_equal(params_of(state), params_of(preset))
     if num_stages > 1:  # control: replaying on current weights is not stashing
@@ -84,9 +99,9 @@ def test_features_replay_is_its_papers_rule_and_a_preset_of_ddg(model, num_stage
 @pytest.mark.parametrize("model, num_stages", SIZES)
 def test_dgl_matches_the_greedy_reference(model, num_stages):
     data = batches(model, num_steps(num_stages))
-    ref = reference_run(dgl_stages(model, num_stages), data, method="dgl", optimizer=optimizer)
-    for layout in layouts(num_stages).values():
-        _, state, history = run_dgl(model, num_stages, data, **layout)
+    for layout, tx in layouts(num_stages).values():
+        ref = reference_run(dgl_stages(model, num_stages), data, method="dgl", optimizer=tx)
+        _, state, history = run_dgl(model, num_stages, data, optimizer=tx, **layout)
         assert_matches_reference(state, history, ref)
     if num_stages > 1:  # control: the greedy objective is not backprop's
         bp = reference_run(dgl_stages(model, num_stages), data, method="bp", optimizer=optimizer)
