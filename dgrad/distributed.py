@@ -232,7 +232,7 @@ def launch_local(
                 break
             if deadline is not None and time.monotonic() > deadline:
                 status = 124
-                out.write(f"the processes ran past {timeout:.0f} s; stopping them\n")
+                out.write(f"the processes ran past {timeout:g} s; stopping them\n")
                 break
             time.sleep(0.1)
         else:

@@ -148,7 +148,8 @@ def learning_rate(
 ) -> optax.Schedule:
     """The learning rate of a stage's n-th update. With `accumulate` = M a stage updates
     once every M steps, so epochs are counted in steps / M (as the ADL code counts data
-    steps); a warm-up rises linearly from lr / 100 to lr.
+    steps); a warm-up of W updates rises on the line from lr / 100 (before the first
+    update) to lr (at the W-th): update n gets lr * (0.01 + 0.99 * (n + 1) / W).
 
     >>> from dgrad.train import config as fields
     >>> config = fields.base()  # lr 0.1, divided by 10 at epochs 150, 225 and 275 (FDG)
