@@ -76,6 +76,12 @@ def initialize(
                 "address) too, or --distributed on a cluster that JAX recognises."
             )
         return
+    host, _, port = (coordinator or "").rpartition(":")
+    if coordinator is not None and not (host and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(
+            f"--coordinator {coordinator}: give process 0's address as HOST:PORT, "
+            "e.g. localhost:1234"
+        )
     if coordinator is not None and (num_processes is None or process_id is None):
         raise ValueError(
             "--coordinator needs --num_processes and --process_id too (or use --distributed "

@@ -74,6 +74,10 @@ def test_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
         ([SMOKE + "k"], "unknown config variant 'smokek'; the only variant is smoke"),
         (["--bogus=1"], "unknown argument --bogus=1"),
         (["--cpu_devices=-1"], "--cpu_devices -1: give 1 or more fake CPU devices"),
+        (
+            ["--coordinator=localhost:abc", "--num_processes=2", "--process_id=0"],
+            "--coordinator localhost:abc: give process 0's address as HOST:PORT",
+        ),
         (["--config.steps_per_epoch=100"], "more than the 22 batches of 64"),
         (["--config.method=sgd"], "Unknown method 'sgd'; choose one of: bp, ddg, fdg"),
         (["--config.method=ddg", "--config.beta=0.5"], "only FDG has; use method=fdg or beta=1"),

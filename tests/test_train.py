@@ -199,6 +199,11 @@ def test_a_stop_before_training_leaves_nothing_behind(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_a_workdir_that_cannot_be_written_is_one_line():
+    with pytest.raises(SetupError, match="cannot write in --workdir /proc/dgrad-run"):
+        train(small_config(), "/proc/dgrad-run", log=quiet)
+
+
 def test_a_failed_start_leaves_no_directory(tmp_path):
     with pytest.raises(SetupError, match="cannot be cut into num_stages=9"):
         train(small_config(num_stages=9), tmp_path / "new", log=quiet)

@@ -155,8 +155,15 @@ def hold(path: str | os.PathLike):
     ...     pass
     """
     path = os.path.abspath(os.fspath(path))
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, LOCK_FILE), "a") as lock:
+    try:
+        os.makedirs(path, exist_ok=True)
+        lock = open(os.path.join(path, LOCK_FILE), "a")
+    except OSError as error:
+        raise WorkdirError(
+            f"cannot write in --workdir {path} ({error.strerror}); choose a directory you can "
+            "create and write."
+        ) from None
+    with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
