@@ -5,6 +5,7 @@
 # measures the overhead of staging, not a speedup.
 #
 #   bash experiments/gpu_check.sh            # uses .venv/bin/python, or $PYTHON
+#   bash experiments/gpu_check.sh --stages 1,2,4,8   # flags given go to both benchmarks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-.venv/bin/python}
@@ -17,5 +18,5 @@ stages=$(seq -s, 1 "$(( gpus > 1 ? gpus : 2 ))")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 for model in resnet56 wrn28-10; do
   "$python" -m experiments.benchmark --model "$model" --batch-size 128 --stages "$stages" \
-    --split balanced --policies --windows 5 --steps 5
+    --split balanced --policies --windows 5 --steps 5 "$@"
 done
