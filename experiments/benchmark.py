@@ -19,17 +19,18 @@ replica), which share the machine's cores; on GPUs it uses the real devices.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import sys
+
+from dgrad.train.cli import OneLineParser
 
 METHODS = ("ddg", "fdg", "fr", "dgl")
 MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="resnet20")
     parser.add_argument("--width", type=int, default=16, help="ResNet channels of group 1")
     parser.add_argument("--image-size", type=int, default=32)

@@ -10,10 +10,10 @@ collectives. Their output comes through with the process index in front; if
 one fails, the others are stopped; SIGINT/SIGTERM reach them all.
 """
 
-import argparse
 import sys
 
 from dgrad.distributed import launch_local
+from dgrad.train.cli import OneLineParser
 
 
 def main(argv=None) -> int:
@@ -21,9 +21,7 @@ def main(argv=None) -> int:
     own, rest = (
         (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     )
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.launch", description=__doc__.split("\n")[0]
-    )
+    parser = OneLineParser(prog="python -m experiments.launch", description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=2, help="how many processes (default 2)")
     parser.add_argument(
         "--cpu_devices",

@@ -12,17 +12,15 @@ results go to WORKDIR/results.csv (a row per run), results.md (median and min-ma
 over seeds per setting, K as columns) and results.png. See `dgrad.train.sweep`.
 """
 
-import argparse
 import os
 import sys
 
+from dgrad.train.cli import OneLineParser
 from dgrad.train.signals import StopRequests  # noqa: F401 -- imported first: quick start-up
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.sweep", description=__doc__.split("\n")[0]
-    )
+    parser = OneLineParser(prog="python -m experiments.sweep", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, metavar="FILE[:VARIANT]")
     parser.add_argument("--grid", required=True, help="'field=v1,v2 other=w1,w2 ...'")
     parser.add_argument("--workdir", required=True)

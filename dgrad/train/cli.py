@@ -43,6 +43,32 @@ class UsageError(Exception):
     """
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An `argparse` parser that answers a mistake with one line and exit status 2
+    (argparse's own prints its whole usage first); the scripts in experiments/ use it.
+
+    >>> import contextlib, io
+    >>> parser = OneLineParser(prog="x")
+    >>> _ = parser.add_argument("--steps", type=int)
+    >>> with contextlib.redirect_stderr(io.StringIO()) as err:
+    ...     try:
+    ...         parser.parse_args(["--steps=two"])
+    ...     except SystemExit as exit:
+    ...         print(exit.code, err.getvalue().strip())
+    2 error: argument --steps: invalid int value: 'two' (--help lists the flags)
+    """
+
+    def error(self, message):
+        """Prints `error: <message>` on stderr and exits with status 2.
+
+        >>> OneLineParser(prog="x").error("--steps takes a number")
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
+        """
+        self.exit(2, f"error: {message} (--help lists the flags)\n")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(f"{message} (--help lists the flags)")
