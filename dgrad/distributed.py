@@ -94,21 +94,38 @@ def initialize(
         signal.signal(signal.SIGTERM, handler)
 
 
-def _terminate_with_parent() -> None:
-    """(In the child, before it runs.) Linux sends it SIGTERM when its parent dies."""
+PARENT_ENV = "DGRAD_STOP_WITH_PARENT"
+
+
+def child_options(**env: str) -> dict:
+    """`subprocess.Popen` options for the runs a starter (a launcher, a sweep) starts: a
+    session of their own, so that a Ctrl-C reaches them once (forwarded by the starter,
+    not also from the terminal), and the starter's process id in their environment, so
+    that a run that calls `stop_with_parent` stops (with a checkpoint) when the starter
+    dies. No Python runs in the child before exec (JAX's threads make that unsafe).
+
+    >>> options = child_options(PYTHONUNBUFFERED="1")
+    >>> options["start_new_session"], options["env"][PARENT_ENV] == str(os.getpid())
+    (True, True)
+    """
+    return {"start_new_session": True, "env": {**os.environ, **env, PARENT_ENV: str(os.getpid())}}
+
+
+def stop_with_parent() -> None:
+    """In a run started with `child_options`: asks Linux for SIGTERM when the starter
+    dies, and sends it at once if the starter died already. Elsewhere it does nothing.
+
+    >>> stop_with_parent()  # this process was not started so: nothing to follow
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or sys.platform != "linux":
+        return
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-# How runs started on this machine are started: in a session of their own, so that a
-# Ctrl-C reaches them once (forwarded by the starter, not also from the terminal); on
-# Linux, stopped (with a checkpoint) when the starter dies.
-CHILD_OPTIONS = {
-    "start_new_session": True,
-    **({"preexec_fn": _terminate_with_parent} if sys.platform == "linux" else {}),
-}
+    if os.getppid() != int(parent):  # the starter died before the request took hold
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class StopVote:
@@ -205,8 +222,7 @@ def launch_local(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            **CHILD_OPTIONS,
+            **child_options(PYTHONUNBUFFERED="1"),
         )
         children.append(child)
         relay = threading.Thread(target=_relay, args=(child.stdout, f"[{index}] ", out))

@@ -1,13 +1,14 @@
 """Sweeps: the grid's errors, the workdir's rule, and a tiny sweep end to end."""
 
 import csv
+import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import ROOT, kill_tree, run_command
+from helpers import ROOT, descendants, kill_tree, run_command
 
 from dgrad.train import config as fields
 from dgrad.train.sweep import Sweep, SweepError, expand, parse_grid
@@ -135,6 +136,53 @@ def test_ctrl_c_stops_the_runs_with_a_checkpoint_and_the_sweep_resumes(tmp_path)
     step = text.split("Stopped at step ")[1].split()[0]
     run_dir = next((tmp_path / "runs").iterdir()) / "fdg_k2"
     assert step in [p.name for p in (run_dir / "checkpoints").iterdir()]
+
+
+@pytest.mark.slow
+def test_a_run_stops_with_a_checkpoint_when_its_sweep_dies(tmp_path):
+    """SIGKILL to the sweep alone (its run lives in a session of its own): the run is told
+    (SIGTERM, `stop_with_parent`), saves the step it is at and exits."""
+    command = [
+        sys.executable,
+        "-m",
+        "experiments.sweep",
+        f"--config={CONFIG}:smoke",
+        "--grid=method=fdg num_stages=2 seed=0",
+        f"--workdir={tmp_path}",
+        "--config.num_epochs=200",
+    ]
+    sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "logs" / "method-fdg_num_stages-2_seed-0.log"
+    deadline = time.monotonic() + 240
+    while sweep.poll() is None and time.monotonic() < deadline:
+        if log.exists() and " step " in log.read_text():
+            break
+        time.sleep(0.05)
+    runs = descendants(sweep.pid)
+    assert runs, "the sweep started no run"
+    os.kill(sweep.pid, signal.SIGKILL)
+    sweep.wait()
+    deadline = time.monotonic() + 120
+    while any(_alive(pid) for pid in runs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in runs if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    text = log.read_text()
+    assert not left, f"the run outlived its sweep by 120 s:\n{text[-3000:]}"
+    assert "Stopped at step " in text, text[-3000:]
+    step = text.split("Stopped at step ")[1].split()[0]
+    run_dir = next((tmp_path / "runs").iterdir()) / "fdg_k2"
+    assert step in [p.name for p in (run_dir / "checkpoints").iterdir()]
+
+
+def _alive(pid):
+    """Whether `pid` runs (a zombie, dead but not reaped by its dead parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_the_table_holds_finished_runs_and_names_the_others():

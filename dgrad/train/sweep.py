@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dgrad.distributed import CHILD_OPTIONS
+from dgrad.distributed import child_options
 from dgrad.train import config as fields
 from dgrad.train import metrics
 
@@ -299,7 +299,7 @@ class Sweep:
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         cwd=cwd,
-                        **CHILD_OPTIONS,
+                        **child_options(),
                     )
                     running.append((run, child, out))
                     log(f"started  {run.describe()}")
