@@ -203,9 +203,14 @@ class StageFunctions:
         self.options, self.first, self.loss_fn = options, first, loss_fn
         self.predict_ahead = staleness if options.predict_lr is not None else 0
         self.replicated, self.sharded = replicated, sharded
-        self.keeps_forward_weights = options.probe_every is not None or reads_stale_params(
-            self.optimizer, self.params
-        )
+        reads_stale = reads_stale_params(self.optimizer, self.params)
+        if reads_stale and options.accumulate > 1:
+            raise ValueError(
+                f"accumulate={options.accumulate} steps once per {options.accumulate} "
+                "gradients, each taken at other weights, so an update that reads stale_params "
+                "(delay compensation) has no one set of them to read; use accumulate=1 with it."
+            )
+        self.keeps_forward_weights = options.probe_every is not None or reads_stale
         # A jitted call's outputs never share buffers with its arguments, so the
         # records a stage keeps survive the donation of the state they came from.
         self._jit_options = {

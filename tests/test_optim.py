@@ -1,5 +1,7 @@
 """dgrad.optim against hand computation, under jit, and plugged into the engine."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,3 +276,73 @@ def test_weight_prediction_needs_momentum_and_a_positive_rate():
         run_pipeline("mlp", 2, method="ddg", predict_lr=0.0)
     with pytest.raises(ValueError, match="momentum"):
         run_pipeline("mlp", 2, method="ddg", optimizer=optax.adam(0.1), predict_lr=0.1)
+
+
+def test_accumulate_and_staged_delay_pass_stale_params_to_what_they_wrap():
+    dc = optax.chain(optim.delay_compensation(0.5), optax.sgd(0.1))
+    now, stale, g = jnp.array([1.0]), jnp.array([0.0]), jnp.array([1.0])
+    expected = -0.1 * (1.0 + 0.5 * 1.0 * 1.0 * (1.0 - 0.0))
+    tx = optim.accumulate(dc, every=1)
+    assert optim.reads_stale_params(tx, now) and not optim.reads_stale_params(
+        optim.accumulate(optax.sgd(0.1), every=2), now
+    )
+    chained = optax.chain(tx)  # chain passes extra args only to ExtraArgs transforms
+    updates, _ = chained.update(g, chained.init(now), now, stale_params=stale)
+    assert jnp.allclose(updates, expected)
+    staged = optim.staged_delay(dc, "bp", num_stages=2)
+    for params in ([now, now], (now, now)):  # a list or a tuple of stages
+        out, _ = staged.update(
+            type(params)([g, g]),
+            staged.init(params),
+            params,
+            stale_params=type(params)([stale] * 2),
+        )
+        assert type(out) is type(params) and all(jnp.allclose(u, expected) for u in out)
+    with pytest.raises(ValueError, match="a list of 2 per-stage parameter trees, got dict"):
+        staged.init({"a": now, "b": now})
+
+
+def test_a_pipeline_refuses_accumulation_with_an_update_that_reads_stale_params():
+    dc = optax.chain(optim.delay_compensation(0.5), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="accumulate=2 steps once per 2 gradients"):
+        run_pipeline("mlp", 2, steps=1, method="ddg", optimizer=dc, accumulate=2)
+
+
+def test_the_transforms_take_injected_hyperparameters_numpy_integers_and_mixed_dtypes():
+    params = jnp.zeros(2)
+    plain = optim.async_nesterov(1e-2, delay=1, num_stages=4)
+    injected = optax.inject_hyperparams(optim.async_nesterov, static_args=("delay", "num_stages"))(
+        learning_rate=1e-2, delay=1, num_stages=4
+    )
+    g = jnp.array([1.0, -2.0])
+    a, _ = plain.update(g, plain.init(params), params)
+    b, _ = jax.jit(injected.update)(g, injected.init(params), params)
+    assert jnp.allclose(a, b, atol=1e-6)
+    tx = optax.inject_hyperparams(optim.delay_compensation)(strength=0.5)
+    assert jnp.allclose(
+        tx.update(g, tx.init(params), params, stale_params=params)[0], g
+    )  # no drift, no change
+    assert optim.delay(optax.sgd(1.0), np.int64(2)).init(params).buffer.shape == (2, 2)
+    assert optim.accumulate(optax.sgd(1.0), np.int64(2)) is not None
+    bf16 = jnp.zeros(1, jnp.bfloat16)
+    tx = optim.delay(optax.sgd(1.0), 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # JAX warns of an unsafe cast into the buffer
+        _, state = tx.update(jnp.ones(1, jnp.float32), tx.init(bf16), bf16)
+    assert state.buffer.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: optim.delay(optax.sgd, 2), "delay wraps an optax transformation"),
+        (lambda: optim.async_nesterov_for(1e-3, "ddg", 3)(3), r"a stage index in 0..2"),
+        (lambda: optim.async_nesterov_for(1e-3, "ddg", 3)(-1), r"a stage index in 0..2"),
+        (lambda: optim.delay_compensation(float("inf")), "strength \\(lambda\\) is not valid"),
+        (lambda: optim.delay_compensation(0.5, decay=1.5), "decay is not valid"),
+        (lambda: optim.delay_compensation("0.5"), "strength \\(lambda\\) is not valid"),
+    ],
+)
+def test_misuse_of_the_transforms_says_what_is_wrong(make, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        make()

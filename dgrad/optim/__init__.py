@@ -10,7 +10,8 @@
 - `predict_weights(params, opt_state, tau, lr)`: w - tau * lr * momentum
   (SpecTrain, Chen et al. 2018; PipeMare, Yang et al. 2021).
 - `pipemare_rescale(tau, horizon)`: step scaled by tau**(-p_t), p_t from 1 to 0 (PipeMare).
-- `accumulate(inner, every)`: averages `every` gradients per step (`optax.MultiSteps`; ADL).
+- `accumulate(inner, every, total=False)`: averages (or sums) `every` gradients per step
+  (`optax.MultiSteps`; ADL).
 - `async_nesterov(lr, delay, K)`, `async_nesterov_for(lr, method, K)`: NAdamW whose momentum
   grows with the stage's delay, b1 + delay * (0.99 - b1) / K (Ajanthan et al. 2025).
 

@@ -12,6 +12,7 @@ See `delay` for an example.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple, Sequence
 
 import jax
@@ -43,7 +44,7 @@ class DelayState(NamedTuple):
 
 
 def _check_tau(tau) -> int:
-    if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or tau < 0:
         raise ValueError(f"tau must be a non-negative integer number of updates, got {tau!r}.")
     return tau
 
@@ -57,7 +58,10 @@ def delay(inner: optax.GradientTransformation, tau: int) -> optax.GradientTransf
 
     Returns:
       A transformation whose first `tau` updates are zero and leave `inner`'s
-      state untouched.
+      state untouched. Extra arguments (`stale_params=` for delay compensation)
+      go to `inner` with the gradient it applies now, so give those of that
+      gradient: the weights of `tau` updates ago. The kept gradients take the
+      dtype of `params`.
 
     >>> import jax.numpy as jnp, optax
     >>> tx = delay(optax.sgd(1.0), tau=2)
@@ -72,6 +76,10 @@ def delay(inner: optax.GradientTransformation, tau: int) -> optax.GradientTransf
     [-2.]
     """
     tau = _check_tau(tau)
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"delay wraps an optax transformation such as optax.sgd(0.1), got {inner!r}."
+        )
     inner = optax.with_extra_args_support(inner)
     if tau == 0:
         return inner
@@ -83,7 +91,7 @@ def delay(inner: optax.GradientTransformation, tau: int) -> optax.GradientTransf
     def update_fn(updates, state, params=None, **extra_args):
         slot = state.count % tau
         oldest = jax.tree.map(lambda b: b[slot], state.buffer)
-        buffer = jax.tree.map(lambda b, g: b.at[slot].set(g), state.buffer, updates)
+        buffer = jax.tree.map(lambda b, g: b.at[slot].set(g.astype(b.dtype)), state.buffer, updates)
         ready = state.count >= tau
         new_updates, new_inner = inner.update(oldest, state.inner_state, params, **extra_args)
         new_updates = jax.tree.map(lambda u: jnp.where(ready, u, jnp.zeros_like(u)), new_updates)
@@ -156,11 +164,13 @@ def staged_delay(
     transforms = {k: delay(for_stage(optimizer, k), tau) for k, tau in enumerate(delays)}
 
     def labels(params):
-        if len(params) != num_stages:
+        if not isinstance(params, (list, tuple)) or len(params) != num_stages:
+            got = f"{len(params)}" if isinstance(params, (list, tuple)) else type(params).__name__
             raise ValueError(
-                f"staged_delay expects a list of {num_stages} per-stage parameter trees, got "
-                f"{len(params)}."
+                f"staged_delay expects a list of {num_stages} per-stage parameter trees, got {got}."
             )
-        return stage_labels(params)
+        return type(params)(stage_labels(params))
 
-    return optax.partition(transforms, labels)
+    # Each stage's transform gets its own part of extra args shaped like the params
+    # (stale_params for delay compensation).
+    return optax.partition(transforms, labels, mask_compatible_extra_args=True)

@@ -94,12 +94,16 @@ class AsyncNesterovState(NamedTuple):
 
 
 def _check_unit_interval(name: str, value) -> float:
+    if isinstance(value, jax.Array):  # a hyperparameter optax.inject_hyperparams feeds
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a number in [0, 1), got {value!r}.")
     return float(value)
 
 
 def _check_non_negative(name: str, value) -> float:
+    if isinstance(value, jax.Array):  # a hyperparameter optax.inject_hyperparams feeds
+        return value
     if (
         isinstance(value, bool)
         or not isinstance(value, numbers.Real)
@@ -312,4 +316,12 @@ def async_nesterov_for(
     delays = [schedule.weight_staleness(k) for k in range(num_stages)]
     denominator = max(delays) + 1
     transforms = [async_nesterov(learning_rate, tau, denominator, **options) for tau in delays]
-    return lambda stage: transforms[stage]
+
+    def of_stage(stage: int) -> optax.GradientTransformationExtraArgs:
+        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral):
+            stage = None
+        if stage is None or not 0 <= stage < num_stages:
+            raise ValueError(f"a stage index in 0..{num_stages - 1} is due, got {stage!r}.")
+        return transforms[stage]
+
+    return of_stage

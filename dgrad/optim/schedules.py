@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -40,9 +41,9 @@ def pipemare_rescale(tau: int, horizon: int) -> optax.GradientTransformation:
     [0.5]
     [1.]
     """
-    if isinstance(tau, bool) or not isinstance(tau, int) or tau < 0:
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or tau < 0:
         raise ValueError(f"tau must be a non-negative integer, got {tau!r}.")
-    if isinstance(horizon, bool) or not isinstance(horizon, int) or horizon < 1:
+    if isinstance(horizon, bool) or not isinstance(horizon, numbers.Integral) or horizon < 1:
         raise ValueError(f"horizon must be a positive number of updates, got {horizon!r}.")
 
     def init_fn(params):
@@ -61,7 +62,7 @@ def pipemare_rescale(tau: int, horizon: int) -> optax.GradientTransformation:
 
 def accumulate(
     inner: optax.GradientTransformation, every: int, *, total: bool = False
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
     """Averages (or with `total=True` sums, as the ADL authors' code) `every` gradients
     before each step of `inner` (`optax.MultiSteps`).
 
@@ -78,8 +79,9 @@ def accumulate(
     >>> steps  # nothing, then the mean of the two (with total=True: their sum, 4.0)
     [0.0, 2.0]
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
         raise ValueError(f"every must be a positive integer, got {every!r}.")
     if total:
         inner = optax.chain(optax.scale(every), inner)
-    return optax.MultiSteps(inner, every_k_schedule=every).gradient_transformation()
+    steps = optax.MultiSteps(inner, every_k_schedule=every)  # (passes extra args to inner)
+    return optax.GradientTransformationExtraArgs(steps.init, steps.update)
