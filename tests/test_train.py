@@ -331,6 +331,7 @@ def test_config_files_cannot_add_fields_or_change_types():
         ),
         ("def get_config():\n    return {'method': 'fdg'}\n", "get_config returned a dict"),
         ("def get_config(:\n", "line 2: SyntaxError"),
+        ("def get_config():\n    raise ValueError('one\\ntwo')\n", "line 3: one"),
         ("import no_such_module\n", "line 2: ModuleNotFoundError: No module named"),
         ("x = 1\n", "defines no get_config"),
     ],
@@ -340,9 +341,11 @@ def test_a_config_files_own_mistake_is_one_line_naming_its_line(tmp_path, text, 
 
     path = tmp_path / "mine.py"
     path.write_text("from dgrad.train import config as fields\n" + text)
-    with pytest.raises(UsageError) as raised:
-        load_config(str(path))
-    assert message in str(raised.value) and "\n" not in str(raised.value)
+    for spec in (str(path), os.path.relpath(path)):  # as given, relative or absolute
+        with pytest.raises(UsageError) as raised:
+            load_config(spec)
+        assert message in str(raised.value) and "\n" not in str(raised.value)
+        assert str(raised.value).startswith(f"--config {spec}")
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(UsageError, match="is not a config file"):
         load_config(str(tmp_path / "notes.txt"))

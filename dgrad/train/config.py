@@ -480,12 +480,12 @@ def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
     try:
         module_spec.loader.exec_module(module)
         if not hasattr(module, "get_config"):
-            raise ValueError(f"{path} defines no get_config(variant)")
+            raise _NoGetConfig
         config = module.get_config(variant) if variant else module.get_config()
-    except ValueError as error:
-        raise ValueError(f"{spec}: {error}") from None
+    except _NoGetConfig:
+        raise ValueError(f"{path} defines no get_config(variant)") from None
     except Exception as error:  # the file's own mistake: say where, in one line
-        raise ValueError(_mistake_in(path, error)) from None
+        raise ValueError(_mistake_in(module_spec.origin, error, spec)) from None
     if not isinstance(config, ml_collections.ConfigDict):
         raise ValueError(
             f"{spec}: get_config returned a {type(config).__name__}; it returns the "
@@ -494,8 +494,13 @@ def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
     return config, name
 
 
-def _mistake_in(path: str, error: Exception) -> str:
-    """`error`, raised while running the config file at `path`, as one line naming its line.
+class _NoGetConfig(Exception):
+    pass
+
+
+def _mistake_in(path: str, error: Exception, spec: str | None = None) -> str:
+    """`error`, raised while running the config file at `path` (given as `spec`), as one
+    line naming its line.
 
     >>> try:
     ...     base().num_stage = 4
@@ -503,13 +508,17 @@ def _mistake_in(path: str, error: Exception) -> str:
     ...     print(_mistake_in("config.py", error))
     config.py: num_stage is not a config field; did you mean num_stages?
     """
+    import os
     import re
     import traceback
 
-    lines = [f.lineno for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
-    if isinstance(error, SyntaxError) and error.filename == path:
+    path = os.path.abspath(path)
+    frames = traceback.extract_tb(error.__traceback__)
+    lines = [f.lineno for f in frames if os.path.abspath(f.filename) == path]
+    if isinstance(error, SyntaxError) and os.path.abspath(error.filename or "") == path:
         lines.append(error.lineno)
-    where = f"{path}, line {lines[-1]}" if lines else path
+    shown = spec.partition(":")[0] if spec else path
+    where = f"{shown}, line {lines[-1]}" if lines else shown
     text = str(error)
     missing = re.search(r'Key "([^"]+)" does not exist', text)
     if missing:  # ml_collections' message carries a dump of the whole config
@@ -517,7 +526,8 @@ def _mistake_in(path: str, error: Exception) -> str:
         hint = f"; did you mean {meant.group(1)}?" if meant else " (--help lists them)"
         return f"{where}: {missing.group(1)} is not a config field{hint}"
     message = text.strip().splitlines()[0][:300] if text.strip() else ""
-    return f"{where}: {type(error).__name__}: {message}".rstrip(": ")
+    kind = "" if isinstance(error, ValueError) else f"{type(error).__name__}: "
+    return f"{where}: {kind}{message}".rstrip(": ")
 
 
 def with_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collections.ConfigDict:
