@@ -194,3 +194,21 @@ def test_the_table_holds_finished_runs_and_names_the_others():
     table, _ = _table(rows, ["method", "seed"])
     assert "| fdg | 85.00 [80.00-90.00] (n=2) |" in table
     assert "unfinished (their last evaluation is in the CSV): method=fdg seed=2 (epoch 2)" in table
+
+
+def test_the_table_before_any_run_has_finished_and_with_tuple_values():
+    from dgrad.train.sweep import _table
+
+    row = dict(
+        **{"model.hidden": (64, 64)}, seed=0, epochs=1, finished=False, final_test_accuracy=0.5
+    )
+    table, groups = _table([row], ["model.hidden", "seed"])
+    assert table.splitlines()[:2] == ["| model.hidden | test accuracy % |", "|---|---|"]
+    assert "model.hidden=64/64 seed=0 (epoch 1)" in table and groups == {}
+    table, _ = _table([{**row, "finished": True}], ["model.hidden", "seed"])
+    assert "| 64/64 | 50.00 [50.00-50.00] (n=1) |" in table
+
+
+def test_a_nan_value_that_fits_nothing_is_refused_not_crashed_on():
+    with pytest.raises(SweepError, match="learning_rate=nan fits no combination"):
+        expand(fields.base(), parse_grid("optimizer.learning_rate=0.1,nan"))

@@ -142,24 +142,30 @@ def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
     ['--config.method=fdg', '--config.beta=0.5']
     """
     names = list(grid)
-    runs, refused = [], []
-    for values in itertools.product(*(grid[n] for n in names)):
-        run = Run(tuple(zip(names, values)))
+    runs, refused, fitting = [], [], set()
+    reasons: dict[tuple[str, int], str] = {}  # (field, index of its value) -> first refusal
+    for positions in itertools.product(*(range(len(grid[n])) for n in names)):
+        run = Run(tuple((n, grid[n][i]) for n, i in zip(names, positions)))
         config = base.copy_and_resolve_references()
         for name, value in run.settings:
             fields.set_field(config, name, value)
         try:
             fields.check(config)
         except ValueError as error:
-            refused.append((run, str(error).removeprefix("config: ")))
+            why = str(error).removeprefix("config: ")
+            refused.append(f"{run.describe()}: {why}")
+            for key in zip(names, positions):
+                reasons.setdefault(key, why)
             continue
         runs.append(run)
+        fitting.update(zip(names, positions))
     for name in names:
-        for value in grid[name]:
-            if not any(dict(run.settings)[name] == value for run in runs):
-                reason = next(why for run, why in refused if dict(run.settings)[name] == value)
-                raise SweepError(f"--grid {name}={_text(value)} fits no combination: {reason}")
-    return runs, [f"{run.describe()}: {why}" for run, why in refused]
+        for i, value in enumerate(grid[name]):
+            if (name, i) not in fitting:
+                raise SweepError(
+                    f"--grid {name}={_text(value)} fits no combination: {reasons[name, i]}"
+                )
+    return runs, refused
 
 
 class Sweep:
@@ -407,7 +413,7 @@ class Sweep:
         with open(paths["csv"], "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
-            writer.writerows(rows)
+            writer.writerows({k: _text(v) for k, v in row.items()} for row in rows)
         table, groups = _table(rows, list(self.grid))
         with open(paths["md"], "w") as f:
             f.write(table)
@@ -431,6 +437,7 @@ def _table(rows, names) -> tuple[str, dict]:
         )
     columns = sorted({c for cells in groups.values() for c in cells}, key=lambda c: (c is None, c))
     heading = " | ".join(row_fields) or "setting"
+    columns = columns or [None]  # no run finished yet: the table's frame, empty
     lines = [
         f"| {heading} | "
         + " | ".join("test accuracy %" if c is None else f"K={c}" for c in columns)
@@ -438,7 +445,7 @@ def _table(rows, names) -> tuple[str, dict]:
         "|" + "---|" * (max(len(row_fields), 1) + len(columns)),
     ]
     for key, cells in sorted(groups.items(), key=lambda item: str(item[0])):
-        label = " | ".join(str(v) for v in key) or "all"
+        label = " | ".join(_text(v) for v in key) or "all"
         entries = []
         for c in columns:
             values = cells.get(c)
