@@ -165,15 +165,20 @@ def test_a_run_killed_before_its_first_checkpoint_or_its_export_resumes_whole(tm
     train(config, early, log=quiet)
     assert records(early, run) == expected
 
-    late = tmp_path / "late"
-    shutil.copytree(tmp_path / "whole", late)
-    shutil.rmtree(late / run / "model")
-    (late / "curves.png").unlink()
-    lines = []
-    train(config, late, log=lines.append)
-    assert any("finished earlier, at step 16" in line for line in lines)
-    assert (late / "curves.png").exists() and records(late, run) == expected
-    assert_equal(exported(late), exported(tmp_path / "whole"))
+    for killed in ("before the export", "before the plot"):
+        late = tmp_path / killed.replace(" ", "_")
+        shutil.copytree(tmp_path / "whole", late)  # (keeps the files' times)
+        if killed == "before the export":
+            shutil.rmtree(late / run / "model")
+        else:  # the plot of a run before it (a baseline's), drawn before this export
+            drawn = (late / run / "model").stat().st_mtime_ns - 10**9
+            os.utime(late / "curves.png", ns=(drawn, drawn))
+        lines = []
+        train(config, late, log=lines.append)
+        assert any("finished earlier, at step 16" in line for line in lines), killed
+        assert (late / "curves.png").stat().st_mtime_ns >= (late / run / "model").stat().st_mtime_ns
+        assert records(late, run) == expected
+        assert_equal(exported(late), exported(tmp_path / "whole"))
 
 
 def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path):

@@ -57,8 +57,10 @@ def truncate(path: str | os.PathLike, after_step: int) -> None:
     [4, 8]
     """
     records = [r for r in read(path) if r["step"] <= after_step]
-    with open(path, "w") as f:
+    temporary = f"{os.fspath(path)}.tmp"  # a kill mid-write leaves the old file whole
+    with open(temporary, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(temporary, path)
 
 
 class MetricWriter:
@@ -187,5 +189,7 @@ def plot_curves(
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    temporary = f"{os.fspath(path)}.tmp.png"  # whole or absent, even if stopped mid-write
+    figure.savefig(temporary, dpi=120)
+    os.replace(temporary, path)
     return os.fspath(path)

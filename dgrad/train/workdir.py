@@ -241,7 +241,8 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
     """Each run's last epoch record if every run has finished, else None.
 
     Reads only the runs' checkpoint metadata and metrics files, and looks for their
-    exported models and the curves (a run killed before its export is not finished).
+    exported models and the curves drawn after the last of them (a command killed before
+    its export or its plot has not finished).
 
     >>> import os, tempfile
     >>> from dgrad.train import config as fields
@@ -253,9 +254,10 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
     """
     from dgrad.train.checkpoint import Checkpointer
 
-    if not plan.resumes or not os.path.exists(os.path.join(plan.path, "curves.png")):
+    curves = os.path.join(plan.path, "curves.png")
+    if not plan.resumes or not os.path.exists(curves):
         return None
-    records = {}
+    records, exported = {}, []
     for run in runs:
         run_dir = os.path.join(plan.path, run.label)
         if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
@@ -264,10 +266,14 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
             if checkpoints.latest_step() is None:
                 return None
             meta = checkpoints.meta()
-        if meta["step"] < total_steps(meta) or not os.path.isdir(os.path.join(run_dir, "model")):
+        model = os.path.join(run_dir, "model")
+        if meta["step"] < total_steps(meta) or not os.path.isdir(model):
             return None  # stopped before the end, or before the model was exported
+        exported.append(os.stat(model).st_mtime_ns)
         epochs = metrics.read(os.path.join(run_dir, "metrics.jsonl"), "epoch")
         if not epochs:
             return None
         records[run.title] = epochs[-1]
+    if os.stat(curves).st_mtime_ns < max(exported, default=0):
+        return None  # drawn before the last run's export: stopped before the final plot
     return records
