@@ -512,10 +512,10 @@ def _mistake_in(path: str, error: Exception, spec: str | None = None) -> str:
     import re
     import traceback
 
-    path = os.path.abspath(path)
+    full = os.path.abspath(path)
     frames = traceback.extract_tb(error.__traceback__)
-    lines = [f.lineno for f in frames if os.path.abspath(f.filename) == path]
-    if isinstance(error, SyntaxError) and os.path.abspath(error.filename or "") == path:
+    lines = [f.lineno for f in frames if os.path.abspath(f.filename) == full]
+    if isinstance(error, SyntaxError) and os.path.abspath(error.filename or "") == full:
         lines.append(error.lineno)
     shown = spec.partition(":")[0] if spec else path
     where = f"{shown}, line {lines[-1]}" if lines else shown
