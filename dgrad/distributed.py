@@ -15,6 +15,7 @@ True
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -172,6 +173,31 @@ class StopVote:
             client.key_value_delete(f"{self.prefix}/{self.round - 1}/{me}")
         self.round += 1
         return "1" in wishes
+
+
+_TOLD = itertools.count()  # calls so far; every process makes them in the same order
+
+
+def told_by_process_0(name: str, message: str | None, timeout_s: float = 3600.0) -> str | None:
+    """Process 0's `message` (None: nothing to report) on every process, which waits for it
+    (through the `jax.distributed` key-value store, as `StopVote`). Every process makes the
+    same calls in the same order.
+
+    >>> told_by_process_0("setup", "the workdir is taken")  # one process: its own message
+    'the workdir is taken'
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return message
+    from jax._src import distributed
+
+    client, key = distributed.global_state.client, f"dgrad/told/{next(_TOLD)}/{name}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, "" if message is None else f"!{message}")
+        return message
+    said = client.blocking_key_value_get(key, int(timeout_s * 1000))
+    return said[1:] if said else None
 
 
 def _relay(stream, prefix: str, out) -> None:

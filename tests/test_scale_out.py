@@ -275,6 +275,22 @@ def test_the_command_line_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_workdir_refused_on_two_processes_is_one_line_from_each(tmp_path):
+    """Process 0 alone takes the workdir's lock; when it cannot, every process says so in
+    one line and exits 2 (the others do not wait in a barrier for one that left)."""
+    from dgrad.train import workdir
+
+    with workdir.hold(tmp_path / "run"):  # another command trains there
+        status, output = run_command(
+            LAUNCH + TINY + TWO + [f"--workdir={tmp_path / 'run'}"], 300, cwd=ROOT, check=False
+        )
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert status == 2 and len(errors) == 2, output[-3000:]
+    assert all("another command is training in" in line for line in errors), errors
+    assert "Traceback" not in output, output[-3000:]
+
+
+@pytest.mark.slow
 def test_a_stop_on_two_processes_saves_the_same_step_on_both(tmp_path):
     """SIGTERM to the launcher: it reaches each process once, they agree on the step to
     stop at, save it and exit 143; the run resumes from that step."""

@@ -172,6 +172,7 @@ def train(
     import jax
     import numpy as np
 
+    from dgrad import distributed
     from dgrad.train import build, loop  # the model's libraries: not needed to see it finished
 
     with contextlib.ExitStack() as context:
@@ -191,15 +192,18 @@ def train(
             raise SetupError(str(error)) from error
         if plan.extends_from is not None:
             log(_extension_note(config, plan.saved, steps_per_epoch))
+        problem = None
         if jax.process_index() == 0:
             try:
                 context.enter_context(workdir.hold(plan.path))
                 held = workdir.inspect(workdir_path, config, extend=extend)  # as it is now
+                plan = dataclasses.replace(held, existed=plan.existed)
+                workdir.create(plan, config)
             except ValueError as error:
-                raise SetupError(str(error)) from error
-            plan = dataclasses.replace(held, existed=plan.existed)
-            workdir.create(plan, config)
-        _wait_for_all("workdir")
+                problem = str(error)
+        problem = distributed.told_by_process_0(f"workdir {plan.path}", problem)
+        if problem is not None:  # every process refuses alike
+            raise SetupError(problem)
         results = {}
         try:
             for run, pipe, state in zip(runs, pipes, initial):
@@ -253,12 +257,3 @@ def _plot(path: str, runs, config, name: str) -> None:
         title=title,
         probes=probes,
     )
-
-
-def _wait_for_all(name: str) -> None:
-    import jax
-
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)

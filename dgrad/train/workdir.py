@@ -144,20 +144,24 @@ def hold(path: str | os.PathLike):
     `WorkdirError` while another process holds it.
 
     >>> import tempfile
-    >>> path = tempfile.mkdtemp()
-    >>> with hold(path):
+    >>> with tempfile.TemporaryDirectory() as path:
     ...     with hold(path):
-    ...         pass
+    ...         with hold(path):
+    ...             pass
     Traceback (most recent call last):
     ...
     dgrad.train.workdir.WorkdirError: another command is training in /...; ...
-    >>> with hold(path):  # released at the end of the first block
-    ...     pass
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     with hold(path):
+    ...         pass
+    ...     with hold(path):  # released at the end of the first block
+    ...         pass
     """
     path = os.path.abspath(os.fspath(path))
+    lock_path = os.path.join(path, LOCK_FILE)
     try:
         os.makedirs(path, exist_ok=True)
-        lock = open(os.path.join(path, LOCK_FILE), "a")
+        lock = open(lock_path, "a")
     except OSError as error:
         raise WorkdirError(
             f"cannot write in --workdir {path} ({error.strerror}); choose a directory you can "
@@ -172,11 +176,21 @@ def hold(path: str | os.PathLike):
                     f"cannot lock {path} ({error.strerror}), so nothing keeps a second "
                     "command out of it; use a --workdir on a file system with file locks."
                 ) from None
-            raise WorkdirError(
-                f"another command is training in {path} (it holds {LOCK_FILE}); wait for it "
-                "to end, or use another --workdir."
-            ) from None
+            raise _held_by_another(path) from None
+        try:
+            replaced = os.stat(lock_path).st_ino != os.fstat(lock.fileno()).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:  # removed (by a start taking itself back) while this one opened it
+            raise _held_by_another(path)
         yield  # (closing the file releases the lock)
+
+
+def _held_by_another(path: str) -> WorkdirError:
+    return WorkdirError(
+        f"another command is training in {path} (it holds {LOCK_FILE}); wait for it to end, "
+        "or use another --workdir."
+    )
 
 
 def create(plan: Plan, config: ml_collections.ConfigDict) -> None:
@@ -220,7 +234,7 @@ def take_back(plan: Plan, run_labels) -> None:
     if not plan.existed:
         shutil.rmtree(plan.path, ignore_errors=True)
         return
-    for name in [CONFIG_FILE, LOCK_FILE, *run_labels]:
+    for name in [CONFIG_FILE, *run_labels]:  # (the lock stays: another may be waiting on it)
         target = os.path.join(plan.path, name)
         if os.path.isdir(target):
             shutil.rmtree(target, ignore_errors=True)
