@@ -143,7 +143,8 @@ def descendants(pid: int) -> list[int]:
 
 def kill_tree(pid: int) -> None:
     """SIGKILLs `pid`'s process group and every process it started, by id (the runs a
-    launcher starts live in sessions of their own); frozen first, so none is missed."""
+    launcher starts live in sessions of their own). The group is frozen first, so that
+    it starts none after the list is read; the runs themselves start no processes."""
     import os
     import signal
 

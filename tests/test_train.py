@@ -196,6 +196,20 @@ def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path):
     assert (tmp_path / "new" / "fdg_k2" / "model").is_dir()
 
 
+def test_a_workdir_started_with_more_steps_per_epoch_than_batches_resumes(tmp_path, monkeypatch):
+    """Earlier versions cut such a steps_per_epoch silently; new runs are refused it."""
+    config = small_config(steps_per_epoch=100, num_epochs=1)  # the digits hold 22 batches
+    _stop_at_call(monkeypatch, 13)
+    monkeypatch.setattr(build, "steps_per_epoch", lambda config, dataset, cut=False: 22)
+    with pytest.raises(Stopped):
+        train(config, tmp_path, log=quiet)
+    monkeypatch.undo()
+    lines = []
+    train(config, tmp_path, log=lines.append)
+    assert any("this workdir trains 22 per epoch, as it was started" in line for line in lines)
+    assert [r["step"] for r in metrics.read(tmp_path / "fdg_k2/metrics.jsonl", "epoch")] == [22]
+
+
 def test_a_stop_before_training_leaves_nothing_behind(tmp_path):
     stop = StopRequests()
     stop.request(signal.SIGTERM)

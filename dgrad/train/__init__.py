@@ -180,7 +180,13 @@ def train(
         dataset = build.load_dataset(config)
         stop.check("loading the data")
         try:
-            steps_per_epoch = build.steps_per_epoch(config, dataset)
+            steps_per_epoch = build.steps_per_epoch(config, dataset, cut=plan.resumes)
+            if 0 < steps_per_epoch < config.steps_per_epoch:
+                log(
+                    f"config.steps_per_epoch={config.steps_per_epoch} is more than the "
+                    f"{steps_per_epoch} batches of the training split; this workdir trains "
+                    f"{steps_per_epoch} per epoch, as it was started."
+                )
             devices = list(devices or jax.devices())
             example = tuple(np.asarray(a) for a in _example_batch(config, dataset))
             pipes, initial = [], []

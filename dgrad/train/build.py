@@ -40,8 +40,12 @@ def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
     )
 
 
-def steps_per_epoch(config: ml_collections.ConfigDict, dataset: data.Dataset) -> int:
-    """Batches per epoch: the training split's full batches, or `config.steps_per_epoch` if fewer.
+def steps_per_epoch(
+    config: ml_collections.ConfigDict, dataset: data.Dataset, *, cut: bool = False
+) -> int:
+    """Batches per epoch: the training split's full batches, or `config.steps_per_epoch` if
+    fewer. More is refused, or with `cut` (a workdir started so by an earlier version, which
+    cut it silently) cut to the split's.
 
     >>> from dgrad.train import config as fields
     >>> config = fields.base()
@@ -52,17 +56,20 @@ def steps_per_epoch(config: ml_collections.ConfigDict, dataset: data.Dataset) ->
     >>> config.steps_per_epoch = 5
     >>> steps_per_epoch(config, dataset)
     5
+    >>> config.steps_per_epoch = 50
+    >>> steps_per_epoch(config, dataset, cut=True)
+    14
     """
     full = data.Stream(  # (it checks the batch size)
         dataset.train, config.batch_size, transform=None, seed=0
     ).steps_per_epoch
-    if config.steps_per_epoch > full:
+    if config.steps_per_epoch > full and not cut:
         raise ValueError(
             f"config.steps_per_epoch={config.steps_per_epoch} is more than the {full} batches "
             f"of {config.batch_size} in {config.dataset}'s training split; use at most {full}, "
             "or -1 for the whole split"
         )
-    return config.steps_per_epoch if config.steps_per_epoch > 0 else full
+    return min(config.steps_per_epoch, full) if config.steps_per_epoch > 0 else full
 
 
 def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: data.Dataset):
