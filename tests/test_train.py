@@ -210,6 +210,24 @@ def test_a_workdir_started_with_more_steps_per_epoch_than_batches_resumes(tmp_pa
     assert [r["step"] for r in metrics.read(tmp_path / "fdg_k2/metrics.jsonl", "epoch")] == [22]
 
 
+def test_a_workdir_another_command_started_meanwhile_is_decided_again(tmp_path, monkeypatch):
+    """Between the first look at the workdir and taking its lock another command may have
+    started an experiment there: the config it wrote is not overwritten."""
+    from dgrad.train import workdir
+
+    other = small_config(seed=7)
+    original = workdir.hold
+
+    def hold_after_another(path):
+        workdir.create(workdir.inspect(path, other), other)  # the other command, first
+        return original(path)
+
+    monkeypatch.setattr(workdir, "hold", hold_after_another)
+    with pytest.raises(SetupError, match="holds another experiment .*seed 7 -> 0"):
+        train(small_config(), tmp_path / "run", log=quiet)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == 7
+
+
 def test_a_stop_before_training_leaves_nothing_behind(tmp_path):
     stop = StopRequests()
     stop.request(signal.SIGTERM)
