@@ -96,34 +96,40 @@ def test_a_tiny_sweep_runs_resumes_and_tabulates(tmp_path):
     assert again.count("finished ") == 6
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_the_runs_with_a_checkpoint_and_the_sweep_resumes(tmp_path):
-    """One SIGINT to the sweep reaches each run once: the run saves and stops (not
-    'asked twice'), the sweep exits 130, and the same command resumes the run."""
+def _sweep_in_training(workdir, stdout):
+    """A sweep of one long run, in a session of its own, once its run trains; and the log."""
     command = [
         sys.executable,
         "-m",
         "experiments.sweep",
         f"--config={CONFIG}:smoke",
         "--grid=method=fdg num_stages=2 seed=0",
-        f"--workdir={tmp_path}",
+        f"--workdir={workdir}",
         "--config.num_epochs=200",
         "--config.log_every_steps=5",
     ]
     sweep = subprocess.Popen(
         command,
         cwd=ROOT,
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
-    log = tmp_path / "logs" / "method-fdg_num_stages-2_seed-0.log"
+    log = workdir / "logs" / "method-fdg_num_stages-2_seed-0.log"
     deadline = time.monotonic() + 240
     while sweep.poll() is None and time.monotonic() < deadline:
         if log.exists() and " step " in log.read_text():
             break
         time.sleep(0.05)
+    return sweep, log
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_runs_with_a_checkpoint_and_the_sweep_resumes(tmp_path):
+    """One SIGINT to the sweep reaches each run once: the run saves and stops (not
+    'asked twice'), the sweep exits 130, and the same command resumes the run."""
+    sweep, log = _sweep_in_training(tmp_path, stdout=subprocess.PIPE)
     sweep.send_signal(signal.SIGINT)
     try:
         output, _ = sweep.communicate(timeout=120)
@@ -142,22 +148,7 @@ def test_ctrl_c_stops_the_runs_with_a_checkpoint_and_the_sweep_resumes(tmp_path)
 def test_a_run_stops_with_a_checkpoint_when_its_sweep_dies(tmp_path):
     """SIGKILL to the sweep alone (its run lives in a session of its own): the run is told
     (SIGTERM, `stop_with_parent`), saves the step it is at and exits."""
-    command = [
-        sys.executable,
-        "-m",
-        "experiments.sweep",
-        f"--config={CONFIG}:smoke",
-        "--grid=method=fdg num_stages=2 seed=0",
-        f"--workdir={tmp_path}",
-        "--config.num_epochs=200",
-    ]
-    sweep = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, start_new_session=True)
-    log = tmp_path / "logs" / "method-fdg_num_stages-2_seed-0.log"
-    deadline = time.monotonic() + 240
-    while sweep.poll() is None and time.monotonic() < deadline:
-        if log.exists() and " step " in log.read_text():
-            break
-        time.sleep(0.05)
+    sweep, log = _sweep_in_training(tmp_path, stdout=subprocess.DEVNULL)
     runs = descendants(sweep.pid)
     assert runs, "the sweep started no run"
     os.kill(sweep.pid, signal.SIGKILL)
