@@ -338,9 +338,12 @@ def test_the_transforms_take_injected_hyperparameters_numpy_integers_and_mixed_d
         (lambda: optim.delay(optax.sgd, 2), "delay wraps an optax transformation"),
         (lambda: optim.async_nesterov_for(1e-3, "ddg", 3)(3), r"a stage index in 0..2"),
         (lambda: optim.async_nesterov_for(1e-3, "ddg", 3)(-1), r"a stage index in 0..2"),
-        (lambda: optim.delay_compensation(float("inf")), "strength \\(lambda\\) is not valid"),
-        (lambda: optim.delay_compensation(0.5, decay=1.5), "decay is not valid"),
-        (lambda: optim.delay_compensation("0.5"), "strength \\(lambda\\) is not valid"),
+        (
+            lambda: optim.delay_compensation(float("inf")),
+            "strength \\(lambda\\) must be a non-negative number",
+        ),
+        (lambda: optim.delay_compensation(0.5, decay=1.5), r"decay must be a number in \[0, 1\)"),
+        (lambda: optim.delay_compensation("0.5"), "strength \\(lambda\\) must be a non-negative"),
     ],
 )
 def test_misuse_of_the_transforms_says_what_is_wrong(make, match):

@@ -11,13 +11,13 @@ forward used, and keeps them for the delayed update only where
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from dgrad.optim.checks import non_negative, unit_interval
 
 
 class DelayCompensationState(NamedTuple):
@@ -50,15 +50,8 @@ def delay_compensation(
     >>> tx.update(g, tx.init(now), now, stale_params=stale)[0]  # 2 + 0.5 * 4 * 0.5
     Array([3.], dtype=float32)
     """
-    for name, value, valid in (
-        ("strength (lambda)", strength, lambda v: 0 <= v < math.inf),
-        ("decay", decay, lambda v: 0 <= v < 1),
-        ("eps", eps, lambda v: 0 <= v < math.inf),
-    ):
-        if isinstance(value, jax.Array):  # a hyperparameter optax.inject_hyperparams feeds
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(value):
-            raise ValueError(f"delay_compensation's {name} is not valid: got {value!r}.")
+    strength = non_negative("strength (lambda)", strength)
+    decay, eps = unit_interval("decay", decay), non_negative("eps", eps)
 
     def init_fn(params):
         return DelayCompensationState(jax.tree.map(jnp.zeros_like, params) if adaptive else None)

@@ -61,7 +61,6 @@ here, where the code leaves room:
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any, Callable, NamedTuple
 
@@ -69,6 +68,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dgrad.optim.checks import non_negative, unit_interval
 from dgrad.schedule import Schedule
 
 
@@ -91,26 +91,6 @@ class AsyncNesterovState(NamedTuple):
     mu: Any
     nu: Any
     mu_product: jax.Array
-
-
-def _check_unit_interval(name: str, value) -> float:
-    if isinstance(value, jax.Array):  # a hyperparameter optax.inject_hyperparams feeds
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
-        raise ValueError(f"{name} must be a number in [0, 1), got {value!r}.")
-    return float(value)
-
-
-def _check_non_negative(name: str, value) -> float:
-    if isinstance(value, jax.Array):  # a hyperparameter optax.inject_hyperparams feeds
-        return value
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not (math.isfinite(value) and value >= 0)
-    ):
-        raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
-    return float(value)
 
 
 def stage_momentum(delay: int, num_stages: int, b1: float = 0.9, b1_target: float = 0.99) -> float:
@@ -146,8 +126,8 @@ def stage_momentum(delay: int, num_stages: int, b1: float = 0.9, b1_target: floa
             "delay (K-1-k) is; for FDG use async_nesterov_for(lr, 'fdg', K), which passes the "
             "deepest staleness + 1 as num_stages."
         )
-    b1 = _check_unit_interval("b1", b1)
-    b1_target = _check_unit_interval("b1_target", b1_target)
+    b1 = unit_interval("b1", b1)
+    b1_target = unit_interval("b1_target", b1_target)
     return b1 + int(delay) * (b1_target - b1) / int(num_stages)
 
 
@@ -186,10 +166,10 @@ def scale_by_async_nesterov(
     Array([ 1.4858514, -1.4858514], dtype=float32)
     """
     momentum = stage_momentum(delay, num_stages, b1, b1_target)
-    b2 = _check_unit_interval("b2", b2)
-    eps = _check_non_negative("eps", eps)
+    b2 = unit_interval("b2", b2)
+    eps = non_negative("eps", eps)
     if momentum_decay is not None:
-        momentum_decay = _check_non_negative("momentum_decay", momentum_decay)
+        momentum_decay = non_negative("momentum_decay", momentum_decay)
 
     def nesterov_momentum(t):
         if momentum_decay is None:
@@ -276,8 +256,8 @@ def async_nesterov(
     Array([-0.1485...], dtype=float32)
     """
     if isinstance(learning_rate, numbers.Real):
-        _check_non_negative("learning_rate", learning_rate)
-    weight_decay = _check_non_negative("weight_decay", weight_decay)
+        non_negative("learning_rate", learning_rate)
+    weight_decay = non_negative("weight_decay", weight_decay)
     return optax.chain(
         scale_by_async_nesterov(delay, num_stages, b1, b1_target, b2, eps, momentum_decay),
         optax.add_decayed_weights(weight_decay, mask),
