@@ -122,18 +122,31 @@ def assert_matches_reference(state, history, ref, rtol=RTOL, atol=ATOL):
     assert_close([a for a, _ in losses], [b for _, b in losses], rtol, atol)
 
 
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command's name (state, parent, ...), or
+    None once the process is gone (Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not reaped by its dead parent, does not)."""
+    stat = process_stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
 def descendants(pid: int) -> list[int]:
     """The process ids of `pid`'s children, theirs, and so on (Linux: read from /proc)."""
     import os
 
     children: dict[int, list[int]] = {}
     for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
-            continue
-        children.setdefault(parent, []).append(int(entry))
+        stat = process_stat(int(entry))
+        if stat is not None:
+            children.setdefault(int(stat[1]), []).append(int(entry))
     found, frontier = [], [pid]
     while frontier:
         frontier = [c for p in frontier for c in children.get(p, [])]

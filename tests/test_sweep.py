@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, descendants, kill_tree, run_command
+from helpers import ROOT, alive, descendants, kill_tree, run_command
 
 from dgrad.train import config as fields
 from dgrad.train.sweep import Sweep, SweepError, expand, parse_grid
@@ -154,9 +154,9 @@ def test_a_run_stops_with_a_checkpoint_when_its_sweep_dies(tmp_path):
     os.kill(sweep.pid, signal.SIGKILL)
     sweep.wait()
     deadline = time.monotonic() + 120
-    while any(_alive(pid) for pid in runs) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in runs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [pid for pid in runs if _alive(pid)]
+    left = [pid for pid in runs if alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     text = log.read_text()
@@ -165,15 +165,6 @@ def test_a_run_stops_with_a_checkpoint_when_its_sweep_dies(tmp_path):
     step = text.split("Stopped at step ")[1].split()[0]
     run_dir = next((tmp_path / "runs").iterdir()) / "fdg_k2"
     assert step in [p.name for p in (run_dir / "checkpoints").iterdir()]
-
-
-def _alive(pid):
-    """Whether `pid` runs (a zombie, dead but not reaped by its dead parent, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_the_table_holds_finished_runs_and_names_the_others():

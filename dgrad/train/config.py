@@ -477,25 +477,23 @@ def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
     if module_spec is None or not path.endswith(".py"):
         raise ValueError(f"{path} is not a config file (a .py file that defines get_config)")
     module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-        if not hasattr(module, "get_config"):
-            raise _NoGetConfig
-        config = module.get_config(variant) if variant else module.get_config()
-    except _NoGetConfig:
-        raise ValueError(f"{path} defines no get_config(variant)") from None
-    except Exception as error:  # the file's own mistake: say where, in one line
-        raise ValueError(_mistake_in(module_spec.origin, error, spec)) from None
+
+    def run(code):
+        try:
+            return code()
+        except Exception as error:  # the file's own mistake: say where, in one line
+            raise ValueError(_mistake_in(module_spec.origin, error, spec)) from None
+
+    run(lambda: module_spec.loader.exec_module(module))
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"{path} defines no get_config(variant)")
+    config = run(lambda: module.get_config(variant) if variant else module.get_config())
     if not isinstance(config, ml_collections.ConfigDict):
         raise ValueError(
             f"{spec}: get_config returned a {type(config).__name__}; it returns the "
             "ml_collections.ConfigDict of dgrad.train.config.base() with its changes"
         )
     return config, name
-
-
-class _NoGetConfig(Exception):
-    pass
 
 
 def _mistake_in(path: str, error: Exception, spec: str | None = None) -> str:
