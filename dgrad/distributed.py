@@ -89,10 +89,40 @@ def initialize(
             "on a cluster that JAX recognises)."
         )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # XLA's CPU client runs every device's part of a program, and the cross-host transfers,
+    # on one thread pool of as many threads as cores (or devices). A part waiting in a
+    # collective for another process holds its thread, so on 2 cores two such parts starved
+    # the part or the transfer the other process waited for, and runs froze. More threads
+    # than can ever wait at once keep one free.
+    os.environ.setdefault("PJRT_NPROC", str(max(16, 4 * int(cpu_devices or 1))))
+    if not os.environ.get("JAX_CROSS_HOST_TRANSFER_SOCKET_ADDRESS"):
+        jax.config.update("jax_cross_host_transfer_socket_address", _transfer_address(coordinator))
     handler = signal.getsignal(signal.SIGTERM)
     jax.distributed.initialize(coordinator, num_processes, process_id)
     if callable(handler):  # JAX's preemption notifier took SIGTERM over: give it back
         signal.signal(signal.SIGTERM, handler)
+
+
+def _transfer_address(coordinator: str | None) -> str:
+    """`host:port` on which this process takes the arrays other processes send it (JAX's
+    cross-host transfers, which `dgrad.placement` moves stages' values with): the address
+    this host reaches the coordinator from, and a free port."""
+    host = "127.0.0.1"
+    if coordinator is not None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
+            try:  # a UDP connect sends nothing: it only picks the interface
+                route.connect((coordinator.rpartition(":")[0], 9))
+                host = route.getsockname()[0]
+            except OSError:
+                pass
+    else:
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return f"{host}:{probe.getsockname()[1]}"
 
 
 PARENT_ENV = "DGRAD_STOP_WITH_PARENT"

@@ -13,9 +13,12 @@ Under `jax.distributed` the groups may span processes. Every process runs the
 same program; a function whose arrays live on other processes' devices returns
 at once there. `move` carries values from one stage's group to another's:
 `jax.device_put` inside a process, each replica's own copy where every replica
-stays inside its process, and otherwise an XLA collective (`ppermute`) over
-the two groups. `share` makes values readable on every process (metrics,
-checkpoints), and `unshare` puts them back.
+stays inside its process, and otherwise point-to-point transfers between the
+processes (`jax.device_put` across hosts). `share` makes values readable on
+every process (metrics, checkpoints) the same way, and `unshare` puts them
+back. No move is a collective: on CPUs the processes' collectives (gloo) are
+matched in the order each device runs them, which XLA does not keep between
+programs in flight at once, and a move among them froze runs.
 
 >>> import jax
 >>> one = Placement(3, jax.devices()[:1])  # three stages sharing one device
@@ -31,7 +34,6 @@ True
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
@@ -323,9 +325,15 @@ class Placement:
         if self.groups[src] == self.groups[dst]:
             return tree
         source, target = self.groups[src], self.groups[dst]
-        if all(d.process_index == self._process for d in source + target):
+        everything_here = all(d.process_index == self._process for d in source + target)
+        every_replica_crosses = all(
+            a.process_index != b.process_index for a, b in zip(source, target)
+        )
+        if everything_here or every_replica_crosses:
             leaves, treedef = jax.tree.flatten(tree)
             shardings = [self._target_sharding(leaf, dst) for leaf in leaves]
+            if not everything_here:
+                _computed(leaves)
             return treedef.unflatten(jax.device_put(leaves, shardings))  # one batched transfer
         return jax.tree.map(lambda leaf: self._move_leaf(leaf, src, dst), tree)
 
@@ -333,19 +341,28 @@ class Placement:
         return self.sharded(dst) if _split(leaf) else self.replicated(dst)
 
     def _move_leaf(self, leaf, src, dst):
-        """One array to another process's devices (one group spanning processes)."""
+        """One array to a group where some replicas cross processes and others stay: each
+        replica's own transfer (JAX moves a whole array across hosts only if every shard
+        crosses)."""
         source, target = self.groups[src], self.groups[dst]
         sharding = self._target_sharding(leaf, dst)
-        spec = P("data") if _split(leaf) else P()
-        if all(a.process_index == b.process_index for a, b in zip(source, target)):
-            pieces = [
-                jax.device_put(leaf.addressable_data(i), target[source.index(shard.device)])
-                for i, shard in enumerate(leaf.addressable_shards)
-            ]
-            return jax.make_array_from_single_device_arrays(
-                leaf.shape, sharding, pieces, dtype=leaf.dtype
+        crossing = [a.process_index != b.process_index for a, b in zip(source, target)]
+        pieces = {shard.device: shard.data for shard in _computed(leaf).addressable_shards}
+        shard_shape = sharding.shard_shape(leaf.shape)
+        arrived = [
+            jax.device_put(
+                pieces[a] if a in pieces else _nothing_on(a, shard_shape, leaf.dtype),
+                SingleDeviceSharding(b),
             )
-        return _hop(leaf, source, target, spec, sharding)
+            for a, b in zip(source, target)
+            if crossing[source.index(a)] or a.process_index == self._process
+        ]
+        return jax.make_array_from_single_device_arrays(
+            leaf.shape,
+            sharding,
+            [piece for piece in arrived if piece.is_fully_addressable],
+            dtype=leaf.dtype,
+        )
 
 
 def _split(leaf) -> bool:
@@ -369,47 +386,17 @@ def _local_placeholder(shape, dtype, sharding):
     return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
 
 
-@functools.cache
-def _ppermute(mesh, spec):
-    def send(stacked):
-        return jax.lax.ppermute(stacked, "hop", [(0, 1)])
-
-    return jax.jit(jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec))
-
-
-def _hop(leaf, source, target, spec, sharding):
-    """Moves `leaf` from `source` to `target` devices with a collective over both groups."""
-    mesh = Mesh(np.array([source, target]), ("hop", "data"))
-    stacked_spec = P("hop", *spec)
-    stacked = NamedSharding(mesh, stacked_spec)
-    shard_shape = sharding.shard_shape(leaf.shape)
-    pieces = [leaf.addressable_data(i)[None] for i in range(len(leaf.addressable_shards))]
-    pieces += [
-        jax.device_put(np.zeros((1, *shard_shape), leaf.dtype), d)
-        for d in target
-        if d.process_index == jax.process_index()
-    ]
-    if not pieces:
-        return _local_placeholder(leaf.shape, leaf.dtype, sharding)
-    together = jax.make_array_from_single_device_arrays(
-        (2, *leaf.shape), stacked, pieces, dtype=leaf.dtype
-    )
-    arrived = _ppermute(mesh, stacked_spec)(together)
-    received = [s.data[0] for s in arrived.addressable_shards if s.device in target]
-    return jax.make_array_from_single_device_arrays(
-        leaf.shape, sharding, received, dtype=leaf.dtype
-    )
+def _computed(tree):
+    """`tree` once its arrays on this process's devices are computed. A transfer to another
+    process waits for this on the sending side: XLA's CPU runtime froze when it sent
+    outputs of programs over several devices before they were done."""
+    return jax.block_until_ready(tree)
 
 
-@functools.cache
-def _all_gather(mesh, source: int):
-    def gather(stacked):
-        return jax.lax.all_gather(stacked[0], "hop")[source]
-
-    # An all-gather's result is the same on every device; shard_map cannot infer it here.
-    return jax.jit(
-        jax.shard_map(gather, mesh=mesh, in_specs=P("hop"), out_specs=P(), check_vma=False)
-    )
+def _nothing_on(device, shape, dtype):
+    """An array on another process's `device`: what this process passes to a transfer it
+    only watches."""
+    return _local_placeholder(shape, dtype, SingleDeviceSharding(device))
 
 
 def _process_mesh(source: jax.Device) -> Mesh:
@@ -460,23 +447,21 @@ def _share_leaf(leaf):
     if not (leaf.is_fully_replicated or len(owners) == 1):
         return leaf  # spans several processes already: readable by orbax as it is
     source = min(leaf.sharding.device_set, key=lambda d: d.id)
-    here = source.process_index == jax.process_index()
-    if leaf.is_fully_replicated:
-        data = [s.data for s in leaf.addressable_shards if s.device == source]
+    if source.process_index == jax.process_index():
+        whole = _computed(jax.device_put(leaf, SingleDeviceSharding(source)))
     else:
-        data = [jax.device_put(leaf, SingleDeviceSharding(source))] if here else []
-        data = [a.addressable_data(0) for a in data]
+        whole = _nothing_on(source, leaf.shape, leaf.dtype)
     mesh = _process_mesh(source)
-    position = list(mesh.devices.flat).index(source)
-    pieces = [d[None] for d in data] + [
-        jax.device_put(np.zeros((1, *leaf.shape), leaf.dtype), device)
+    copies = [
+        whole if device == source else jax.device_put(whole, SingleDeviceSharding(device))
         for device in mesh.devices.flat
-        if device != source and device.process_index == jax.process_index()
     ]
-    stacked = jax.make_array_from_single_device_arrays(
-        (mesh.size, *leaf.shape), NamedSharding(mesh, P("hop")), pieces, dtype=leaf.dtype
+    return jax.make_array_from_single_device_arrays(
+        leaf.shape,
+        NamedSharding(mesh, P()),
+        [copy for copy in copies if copy.is_fully_addressable],
+        dtype=leaf.dtype,
     )
-    return _all_gather(mesh, position)(stacked)
 
 
 def _unshare_leaf(leaf, target: jax.ShapeDtypeStruct):

@@ -141,8 +141,8 @@ class Checkpointer:
         ['0'] [..., 'meta', 'state']
         """
         meta = {"step": state.step, "num_stages": len(state.stages), "extra": extra or {}}
-        # orbax's barriers are collectives too: the gathers of `share` finish first, so
-        # that no process pairs one of them with a barrier.
+        # orbax's barriers are collectives: the transfers of `share` land first, so that
+        # no process waits inside a barrier for one.
         shared = jax.block_until_ready(placement.share(state))
         self._manager.save(
             state.step,
