@@ -154,6 +154,13 @@ FIELDS = (
         resumable=True,
     ),
     Field("keep_checkpoints", 2, "newest checkpoints kept", resumable=True),
+    Field(
+        "stall_timeout",
+        -1.0,
+        "seconds without a finished step before a run stops itself with status 75 (-1: 10x "
+        "the slowest step so far, at least 300 s; 0: never)",
+        resumable=True,
+    ),
     Field("prefetch", 4, "batches prepared ahead", resumable=True),
     Field("data_workers", 4, "threads preparing batches", resumable=True),
 )
@@ -372,6 +379,9 @@ def check(config: ml_collections.ConfigDict) -> None:
         _fail("checkpoint_every_steps", values["checkpoint_every_steps"], "use 0 or more")
     if values["seed"] < 0:
         _fail("seed", values["seed"], "use 0 or more")
+    stall = values["stall_timeout"]
+    if not (stall in (-1, 0) or 0 < stall < math.inf):
+        _fail("stall_timeout", stall, "use seconds > 0, 0 (never) or -1 (follow the run)")
     if not values["optimizer.learning_rate"] > 0 or math.isinf(values["optimizer.learning_rate"]):
         _fail("optimizer.learning_rate", values["optimizer.learning_rate"], "use a positive rate")
     if not values["optimizer.decay"] > 0 or math.isinf(values["optimizer.decay"]):

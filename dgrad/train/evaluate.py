@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 
 from dgrad import data
@@ -54,10 +56,12 @@ def evaluate(
     source: data.Source,
     transform: data.augment.Transform,
     batch_size: int,
+    on_batch: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """`test_<metric>` means of `loss_fn`'s loss and metrics over all of `source`, in
     evaluation mode with the current weights (padded last batch masked out). Batches
     are rounded up to a multiple of the replicas; the padding is masked out too.
+    `on_batch` is called after each batch is dispatched (a watchdog's beat).
 
     >>> import optax, dgrad
     >>> from dgrad import data, models
@@ -76,6 +80,8 @@ def evaluate(
     for inputs, labels, mask in data.eval_batches(source, batch_size, transform):
         sums = pipe.evaluation_sums(state, (inputs, labels), mask)
         totals = sums if totals is None else jax.tree.map(lambda a, b: a + b, totals, sums)
+        if on_batch is not None:
+            on_batch()
     totals = jax.device_get(share(totals))
     count = float(totals.pop("count"))
     return {f"test_{name}": float(value) / count for name, value in totals.items()}

@@ -31,6 +31,7 @@ from dgrad.train.config import Run
 from dgrad.train.evaluate import Limited, evaluate
 from dgrad.train.progress import Progress
 from dgrad.train.signals import Stopped, StopRequests
+from dgrad.train.watchdog import Watchdog, injected_stall
 from dgrad.train.workdir import WorkdirError
 
 
@@ -234,20 +235,25 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
     checkpoints = Checkpointer(
         os.path.join(ctx.run_dir, "checkpoints"), keep=config.keep_checkpoints
     )
-    with checkpoints:
+    with checkpoints, Watchdog(config.stall_timeout) as watchdog:
         state, tally = _resume(ctx, config, checkpoints, total)
 
         def save():
             epoch, position = divmod(state.step, steps_per_epoch)
-            checkpoints.save(
-                state,
-                {
-                    "config": fields.to_json(config),
-                    "tally": tally.saved(),
-                    "data": {"next_step": state.step, "epoch": epoch, "batch_in_epoch": position},
-                    "total_steps": total,
-                },
-            )
+            with watchdog.saving():
+                checkpoints.save(
+                    state,
+                    {
+                        "config": fields.to_json(config),
+                        "tally": tally.saved(),
+                        "data": {
+                            "next_step": state.step,
+                            "epoch": epoch,
+                            "batch_in_epoch": position,
+                        },
+                        "total_steps": total,
+                    },
+                )
 
         label = f"{ctx.run.label} "
         if jax.process_count() > 1:
@@ -281,15 +287,18 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
         log_step = None  # a log step whose record waits for its metrics, read one step behind
         with progress:
             for batch in stream.iterate(state.step, total):
+                injected_stall(state.step)
                 state, step_metrics = pipe.step(state, batch)
                 if reported is not None:
+                    reported = share(reported)
                     last_loss = tally.add(reported).get("loss", last_loss)
                     write_probe(writer, reported)
                 if log_step is not None:
                     write_interval(log_step)
                     log_step = None
-                reported = share(step_metrics)
+                reported = step_metrics  # shared between processes once the next is dispatched
                 step = state.step
+                watchdog.beat(step)
                 progress.update(step, last_loss)
                 epoch_end = step % steps_per_epoch == 0
                 log_due = step % config.log_every_steps == 0
@@ -302,6 +311,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     log_step = step if log_due else None
                     continue
                 # Evaluating and saving wait for this step anyway: its metrics are read now.
+                reported = share(reported)
                 tally.add(reported)
                 write_probe(writer, reported)
                 reported = None
@@ -315,7 +325,12 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                         "epoch": step // steps_per_epoch,
                         **tally.take_epoch(),
                         **evaluate(
-                            pipe, state, test, ctx.dataset.eval_transform, config.eval_batch_size
+                            pipe,
+                            state,
+                            test,
+                            ctx.dataset.eval_transform,
+                            config.eval_batch_size,
+                            on_batch=watchdog.beat,
                         ),
                         "seconds": time.perf_counter() - epoch_start,
                     }

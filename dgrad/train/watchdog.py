@@ -1,0 +1,272 @@
+"""A run that stops making progress, or is asked to stop and cannot, ends by itself.
+
+The training loop `beat`s after every step (and every evaluation batch). A
+`Watchdog` thread watches the beats of its own process:
+- a stall: no beat for `stall_timeout` seconds. The process prints one line
+  naming itself, the step and what its main thread waits in, and exits with
+  `STALLED` (75): neither success nor a signal's status, and the newest complete
+  checkpoint stays as it was (checkpoints are renamed into place once whole).
+- a signal it cannot honour: SIGINT / SIGTERM are taken by `StopRequests`, whose
+  handler runs only once the main thread is back in Python. A main thread blocked
+  inside a device call never is, so the watchdog also hears the signals (through
+  `signal.set_wakeup_fd`) and, when no beat follows within `grace_s`, prints one
+  line and exits with 128 + the signal's number. A checkpoint being saved is
+  progress: the grace runs from its end.
+
+With `stall_timeout` = -1 (the default) the limit follows the run: 10 times the
+slowest step so far, at least `AUTO_FLOOR_S`, and `AUTO_FIRST_S` until the first
+step (which compiles) has finished. 0 turns stall detection off.
+
+>>> import io
+>>> with Watchdog(stall_timeout=0, out=io.StringIO()) as watchdog:
+...     watchdog.beat(1)
+...     watchdog.limit_s() is None  # 0: no stall detection
+True
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+import time
+
+import jax
+
+STALLED = 75  # EX_TEMPFAIL: the run did not fail, it stopped advancing; resume it
+AUTO_FLOOR_S = 300.0
+AUTO_FIRST_S = 900.0
+TEST_STALL_ENV = "DGRAD_TEST_STALL"  # "PROCESS:STEP": that process blocks in a device call
+
+
+class Watchdog:
+    """Watches this process's steps from a daemon thread; see the module's docstring.
+
+    Args:
+      stall_timeout: seconds without a beat that count as a stall (-1: follow the run,
+        0: never).
+      grace_s: how long a signalled process may go without a beat before it exits.
+      out: where the one line goes (default stderr).
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> with Watchdog(stall_timeout=5, out=out) as watchdog:
+    ...     watchdog.beat(3)
+    ...     watchdog.limit_s(), watchdog.step
+    (5.0, 3)
+    """
+
+    def __init__(self, stall_timeout: float = -1, grace_s: float = 5.0, *, out=None):
+        self.stall_timeout = float(stall_timeout)
+        self.grace_s = grace_s
+        self.out = out
+        self.step: int | None = None
+        self.slowest_s = 0.0
+        self._last = time.monotonic()
+        self._saving = False
+        self._signalled: tuple[int, float] | None = None
+        self._main = threading.main_thread()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._wakeup = None  # (read end, write end, previous wakeup fd)
+
+    # ------------------------------------------------------- the loop's side
+
+    def beat(self, step: int | None = None) -> None:
+        """Marks progress: a step (its number) or another unit of work (an evaluation batch)
+        completed. The slowest gap between beats after the first step sets the automatic limit.
+
+        >>> watchdog = Watchdog()
+        >>> watchdog.beat(7)
+        >>> watchdog.step
+        7
+        """
+        now = time.monotonic()
+        if self.step is not None:
+            self.slowest_s = max(self.slowest_s, now - self._last)
+        if step is not None:
+            self.step = step
+        self._last = now
+
+    def saving(self) -> _Saving:
+        """A context for a checkpoint save: the grace after a signal runs from its end.
+
+        >>> watchdog = Watchdog()
+        >>> with watchdog.saving():
+        ...     watchdog._saving
+        True
+        """
+        return _Saving(self)
+
+    def limit_s(self) -> float | None:
+        """The stall limit now, in seconds (None: no stall detection).
+
+        >>> watchdog = Watchdog()  # -1: follows the run
+        >>> watchdog.limit_s() == AUTO_FIRST_S  # nothing finished yet: the compiling step
+        True
+        >>> watchdog.beat(1); watchdog.slowest_s = 60.0
+        >>> watchdog.limit_s()  # ten times the slowest step
+        600.0
+        """
+        if self.stall_timeout > 0:
+            return self.stall_timeout
+        if self.stall_timeout == 0:
+            return None
+        if self.step is None:
+            return AUTO_FIRST_S
+        return max(AUTO_FLOOR_S, 10 * self.slowest_s)
+
+    # ---------------------------------------------------------- the thread
+
+    def __enter__(self) -> Watchdog:
+        if threading.current_thread() is self._main:
+            read, write = os.pipe()
+            os.set_blocking(write, False)
+            try:
+                previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+            except ValueError:
+                os.close(read)
+                os.close(write)
+            else:
+                self._wakeup = (read, write, previous)
+        self._last = time.monotonic()
+        self._thread = threading.Thread(target=self._watch, name="dgrad-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._closed.set()
+        if self._wakeup is not None:
+            read, write, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(write)  # wakes the thread
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._wakeup is not None:
+            os.close(self._wakeup[0])
+            self._wakeup = None
+
+    def _watch(self) -> None:
+        while not self._closed.is_set():
+            self._listen(0.25)
+            now = time.monotonic()
+            if self._saving:
+                continue
+            if self._signalled is not None:
+                number, since = self._signalled
+                if self._last < since and now - since > self.grace_s:
+                    self._exit(
+                        128 + number,
+                        f"{signal.Signals(number).name} not honoured within {self.grace_s:g} s "
+                        f"(stuck {self._waiting()}); stopping now",
+                    )
+            limit = self.limit_s()
+            if limit is not None and now - self._last > limit:
+                self._exit(
+                    STALLED,
+                    f"stalled: no step completed for {now - self._last:.0f} s "
+                    f"(limit {limit:g} s, config.stall_timeout), waiting {self._waiting()}",
+                )
+
+    def _listen(self, timeout_s: float) -> None:
+        """Notes the signals this process received (their bytes on the wakeup pipe)."""
+        if self._wakeup is None:
+            self._closed.wait(timeout_s)
+            return
+        read, _, previous = self._wakeup
+        try:
+            ready, _, _ = select.select([read], [], [], timeout_s)
+            received = os.read(read, 64) if ready else b""
+        except OSError:  # closed by __exit__
+            return
+        for number in received:
+            if previous >= 0:  # whoever listened before (an event loop) still hears it
+                try:
+                    os.write(previous, bytes([number]))
+                except OSError:
+                    pass
+            if number not in (signal.SIGINT, signal.SIGTERM):
+                continue
+            if self._signalled is not None and not self._saving:
+                self._exit(128 + number, f"{signal.Signals(number).name} twice; stopping now")
+            self._signalled = (number, time.monotonic())
+
+    def _waiting(self) -> str:
+        step = "before the first step" if self.step is None else f"after step {self.step}"
+        return f"{step} in {waiting_in(self._main)}"
+
+    def _exit(self, status: int, why: str) -> None:
+        name = f"process {jax.process_index()}" if jax.process_count() > 1 else "this run"
+        out = self.out or sys.stderr
+        try:  # a dead starter leaves no one to read it: the exit must not depend on it
+            out.write(
+                f"\n[{name}] {why}. The newest complete checkpoint is kept; the same command "
+                "resumes from it.\n"
+            )
+            out.flush()
+        finally:
+            os._exit(status)
+
+
+class _Saving:
+    def __init__(self, watchdog: Watchdog):
+        self.watchdog = watchdog
+
+    def __enter__(self):
+        self.watchdog._saving = True
+
+    def __exit__(self, *exc):
+        self.watchdog.beat()
+        self.watchdog._saving = False
+
+
+def waiting_in(thread: threading.Thread) -> str:
+    """Where `thread` is in dgrad's code: the innermost dgrad function on its stack, with
+    the stage (`k`) or the move (`src` -> `dst`) it works on.
+
+    >>> import threading
+    >>> waiting_in(threading.current_thread())
+    'waiting_in (dgrad/train/watchdog.py:...)'
+    """
+    frame = sys._current_frames().get(thread.ident)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if path.startswith(package + os.sep):
+            where = os.path.relpath(path, os.path.dirname(package))
+            names = frame.f_locals
+            about = ""
+            if "src" in names and "dst" in names:
+                about = f", moving stage {names['src']}'s values to stage {names['dst']}"
+            elif isinstance(names.get("k"), int):
+                about = f", stage {names['k']}"
+            name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+            return f"{name} ({where}:{frame.f_lineno}){about}"
+        frame = frame.f_back
+    return "code outside dgrad"
+
+
+def injected_stall(step: int) -> None:
+    """For tests: blocks this process inside a device call at `step` when the environment
+    says `DGRAD_TEST_STALL=PROCESS:STEP` for it, as a stuck device or peer would.
+
+    >>> injected_stall(3)  # not asked for: returns at once
+    """
+    wanted = os.environ.get(TEST_STALL_ENV)
+    if not wanted:
+        return
+    process, _, at = wanted.partition(":")
+    if int(process) != jax.process_index() or int(at) != step:
+        return
+    forever = threading.Event()
+
+    def block(x):
+        forever.wait()
+        return x
+
+    def device_call(x):
+        return jax.pure_callback(block, jax.ShapeDtypeStruct((), "float32"), x)
+
+    jax.jit(device_call)(jax.numpy.zeros(())).block_until_ready()
