@@ -1,0 +1,47 @@
+"""Train across local processes many times and count the runs that freeze.
+
+    python -m experiments.stress                       # every layout, fdg and ddg, 10 runs each
+    python -m experiments.stress --runs 30 --layouts "2x2 spread" --methods fdg
+
+Layouts (processes x devices each): 2x2 spread and 2x2 interleaved (K=2, D=2), 2x1
+(K=2), 4x1 K=4 and 4x1 K=2xD=2. Each run is one epoch of the default config
+(22 steps, an evaluation and a checkpoint) under a deadline; the table counts
+the runs that finished, froze (past the deadline, or stopped as stalled) and
+failed otherwise. The exit status is 1 if any run did not finish.
+"""
+
+import sys
+
+from dgrad import stress
+from dgrad.train.cli import OneLineParser
+
+
+def main(argv=None) -> int:
+    parser = OneLineParser(prog="python -m experiments.stress", description=__doc__.split("\n")[0])
+    names = [layout.name for layout in stress.LAYOUTS]
+    parser.add_argument("--runs", type=int, default=10, help="runs of each layout and method")
+    parser.add_argument(
+        "--layouts", default=",".join(names), help=f"comma-separated, of: {', '.join(names)}"
+    )
+    parser.add_argument("--methods", default="fdg,ddg", help="comma-separated methods")
+    parser.add_argument("--deadline", type=float, default=180.0, help="seconds per run")
+    args = parser.parse_args(argv)
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    if not args.deadline > 0:
+        parser.error("--deadline must be a positive number of seconds")
+    chosen = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in names]
+    if unknown or not chosen:
+        parser.error(f"--layouts: unknown {unknown or chosen}; choose from {', '.join(names)}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        parser.error("--methods names none")
+    layouts = [layout for layout in stress.LAYOUTS if layout.name in chosen]
+    outcomes = stress.stress(layouts, methods, args.runs, args.deadline, report=sys.stdout)
+    print(stress.table(outcomes))
+    return 0 if all(o.finished == len(o.statuses) for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
