@@ -223,8 +223,8 @@ class _Saving:
 
 
 def waiting_in(thread: threading.Thread) -> str:
-    """Where `thread` is in dgrad's code: the innermost dgrad function on its stack, with
-    the stage (`k`) or the move (`src` -> `dst`) it works on.
+    """Where `thread` is in dgrad's code: the innermost dgrad function on its stack, and the
+    stage (`k`) or the move (`src` -> `dst`) of the nearest caller that works on one.
 
     >>> import threading
     >>> waiting_in(threading.current_thread())
@@ -232,20 +232,21 @@ def waiting_in(thread: threading.Thread) -> str:
     """
     frame = sys._current_frames().get(thread.ident)
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    while frame is not None:
+    innermost, about = None, ""
+    while frame is not None and not about:
         path = os.path.abspath(frame.f_code.co_filename)
         if path.startswith(package + os.sep):
-            where = os.path.relpath(path, os.path.dirname(package))
-            names = frame.f_locals
-            about = ""
-            if "src" in names and "dst" in names:
-                about = f", moving stage {names['src']}'s values to stage {names['dst']}"
-            elif isinstance(names.get("k"), int):
-                about = f", stage {names['k']}"
             name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
-            return f"{name} ({where}:{frame.f_lineno}){about}"
+            if innermost is None:
+                where = os.path.relpath(path, os.path.dirname(package))
+                innermost = f"{name} ({where}:{frame.f_lineno})"
+            names = frame.f_locals
+            if "src" in names and "dst" in names:
+                about = f", in {name} moving stage {names['src']}'s values to stage {names['dst']}"
+            elif isinstance(names.get("k"), int):
+                about = f", in {name} for stage {names['k']}"
         frame = frame.f_back
-    return "code outside dgrad"
+    return (innermost or "code outside dgrad") + about
 
 
 def injected_stall(step: int) -> None:
