@@ -3,8 +3,8 @@
 A value `optax.inject_hyperparams` feeds (a JAX array) passes as it is: it is
 known only when the update runs.
 
->>> non_negative("eps", 1e-8), unit_interval("b1", 0.9)
-(1e-08, 0.9)
+>>> non_negative("eps", 1e-8), unit_interval("b1", 0.9), integer("tau", 3)
+(1e-08, 0.9, 3)
 """
 
 from __future__ import annotations
@@ -47,3 +47,25 @@ def non_negative(name: str, value) -> float:
     ):
         raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
     return float(value)
+
+
+def integer(name: str, value, minimum: int = 0, what: str | None = None, fix: str = "") -> int:
+    """`value` if it is an integer (not a bool) >= `minimum`; else ValueError naming `name`,
+    saying it must be `what` (default: a non-negative or positive integer) and how to `fix`.
+
+    >>> integer("every", 0, minimum=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: every must be a positive integer, got 0.
+    >>> integer("tau", 2.0, what="a non-negative integer number of updates")
+    Traceback (most recent call last):
+    ...
+    ValueError: tau must be a non-negative integer number of updates, got 2.0.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        if what is None:
+            what = {0: "a non-negative integer", 1: "a positive integer"}.get(
+                minimum, f"an integer >= {minimum}"
+            )
+        raise ValueError(f"{name} must be {what}, got {value!r}" + (f"; {fix}." if fix else "."))
+    return value

@@ -12,13 +12,13 @@ See `delay` for an example.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from dgrad.optim.checks import integer
 from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.schedule import Schedule
 
@@ -44,9 +44,7 @@ class DelayState(NamedTuple):
 
 
 def _check_tau(tau) -> int:
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or tau < 0:
-        raise ValueError(f"tau must be a non-negative integer number of updates, got {tau!r}.")
-    return tau
+    return integer("tau", tau, what="a non-negative integer number of updates")
 
 
 def delay(inner: optax.GradientTransformation, tau: int) -> optax.GradientTransformationExtraArgs:

@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dgrad.optim.checks import non_negative, unit_interval
+from dgrad.optim.checks import integer, non_negative, unit_interval
 from dgrad.schedule import Schedule
 
 
@@ -114,12 +114,8 @@ def stage_momentum(delay: int, num_stages: int, b1: float = 0.9, b1_target: floa
         ...
     ValueError: delay (4) must be smaller than num_stages (4), as every PipeDream delay ...
     """
-    if isinstance(num_stages, bool) or not isinstance(num_stages, numbers.Integral):
-        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be an integer >= 1, got {num_stages!r}.")
-    if isinstance(delay, bool) or not isinstance(delay, numbers.Integral) or delay < 0:
-        raise ValueError(f"delay must be a non-negative integer number of updates, got {delay!r}.")
+    integer("num_stages", num_stages, minimum=1, what="an integer >= 1")
+    integer("delay", delay, what="a non-negative integer number of updates")
     if delay >= num_stages:
         raise ValueError(
             f"delay ({delay}) must be smaller than num_stages ({num_stages}), as every PipeDream "

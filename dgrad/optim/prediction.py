@@ -7,11 +7,12 @@ optimizer's momentum (the direction its steps keep going).
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
 import optax
+
+from dgrad.optim.checks import integer
 
 
 def momentum_of(opt_state) -> Any:
@@ -42,7 +43,6 @@ def predict_weights(params, opt_state, tau: int, learning_rate: float):
     >>> predict_weights(params, state, tau=3, learning_rate=0.1)["w"]  # 1 - 3 * 0.1 * 2
     Array([0.39999998], dtype=float32)
     """
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or tau < 0:
-        raise ValueError(f"tau must be a non-negative integer, got {tau!r}.")
+    integer("tau", tau)
     velocity = momentum_of(opt_state)
     return jax.tree.map(lambda w, v: w - tau * learning_rate * v, params, velocity)

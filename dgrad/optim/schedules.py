@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from dgrad.optim.checks import integer
 
 
 class PipeMareState(NamedTuple):
@@ -41,10 +42,8 @@ def pipemare_rescale(tau: int, horizon: int) -> optax.GradientTransformation:
     [0.5]
     [1.]
     """
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Integral) or tau < 0:
-        raise ValueError(f"tau must be a non-negative integer, got {tau!r}.")
-    if isinstance(horizon, bool) or not isinstance(horizon, numbers.Integral) or horizon < 1:
-        raise ValueError(f"horizon must be a positive number of updates, got {horizon!r}.")
+    integer("tau", tau)
+    integer("horizon", horizon, minimum=1, what="a positive number of updates")
 
     def init_fn(params):
         del params
@@ -79,8 +78,7 @@ def accumulate(
     >>> steps  # nothing, then the mean of the two (with total=True: their sum, 4.0)
     [0.0, 2.0]
     """
-    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-        raise ValueError(f"every must be a positive integer, got {every!r}.")
+    integer("every", every, minimum=1)
     if total:
         inner = optax.chain(optax.scale(every), inner)
     steps = optax.MultiSteps(inner, every_k_schedule=every)  # (passes extra args to inner)

@@ -8,12 +8,11 @@ not itself shrunk.
 
 from __future__ import annotations
 
-import numbers
-
 import jax
 import jax.numpy as jnp
 import optax
 
+from dgrad.optim.checks import integer
 from dgrad.options import check_beta
 
 
@@ -36,8 +35,7 @@ def shrink(beta: float, depth: int) -> optax.GradientTransformation:
     Array([-1.1], dtype=float32)
     """
     beta = check_beta(beta)
-    if isinstance(depth, bool) or not isinstance(depth, numbers.Integral) or depth < 0:
-        raise ValueError(f"depth must be a non-negative integer, got {depth!r}.")
+    integer("depth", depth)
     factor = beta ** int(depth)
 
     def init_fn(params):
