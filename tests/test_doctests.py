@@ -16,6 +16,7 @@ ALL_MODULES = ["dgrad"] + sorted(
 MODULES = [name for name in ALL_MODULES if name != "dgrad"]
 WITHOUT_EXAMPLES = {
     "dgrad.models",  # only imports: the examples are in its modules
+    "dgrad.train",  # only re-exports: `train`'s examples are in dgrad.train.experiment
 }
 
 # Public names that need no example of their own: a module name stands for every

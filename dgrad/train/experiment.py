@@ -1,0 +1,247 @@
+"""An experiment from an `ml_collections` config: build, train, evaluate, checkpoint, resume.
+
+`train(config, workdir)` is what `python -m experiments.train` runs, and what a
+notebook calls. For each run of the config (the chosen method, and optionally a
+fused-backprop baseline) it writes into `workdir/<run>/`:
+
+- `metrics.jsonl` (and TensorBoard events under `tensorboard/` when tensorboardX
+  is installed): train loss and accuracy every `log_every_steps`, test loss and
+  accuracy every epoch, and each stage's staleness probe every `probe_every` steps;
+- `checkpoints/<step>/`: the whole pipeline state, in flight included, at every
+  epoch end (and every `checkpoint_every_steps`), see `dgrad.train.checkpoint`;
+- `model/`: the stages merged into one model at the end, see `dgrad.train.export`;
+
+plus `workdir/config.json` and the curves of all runs in `workdir/curves.png`.
+Calling `train` again on the same workdir resumes every unfinished run from its
+newest checkpoint, bit for bit; a workdir holding another experiment is
+refused before anything is written (`dgrad.train.workdir`).
+
+>>> import io, tempfile
+>>> from dgrad.train import config as fields
+>>> config = fields.base()  # shrunk to an MLP on the digits, FDG K=2, 5 steps
+>>> config.dataset, config.model.name, config.split = "digits", "mlp", "balanced"
+>>> config.num_epochs, config.steps_per_epoch, config.batch_size = 1, 5, 32
+>>> quiet = dict(log=lambda line: None, progress_stream=io.StringIO())
+>>> results = train(config, tempfile.mkdtemp(), **quiet)
+>>> record = results["FDG K=2"]
+>>> record["epoch"], record["step"], 0 <= record["test_accuracy"] <= 1
+(1, 5, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+from dgrad.train.signals import Stopped, StopRequests
+
+if TYPE_CHECKING:
+    import ml_collections
+
+
+class SetupError(ValueError):
+    """A run could not start: a config value, the workdir, or the model does not work;
+    the message names what and how to fix it. Nothing was written.
+
+    >>> import os, tempfile
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()
+    >>> config.batch_size = 0
+    >>> with tempfile.TemporaryDirectory() as workdir:
+    ...     try:
+    ...         train(config, workdir)
+    ...     except SetupError as error:
+    ...         print(error, os.listdir(workdir))
+    config.batch_size = 0 is not valid: use a positive integer. []
+    """
+
+
+def _say(text: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:
+        print(text, flush=True)
+
+
+def _extension_note(config, saved: dict[str, Any], steps_per_epoch: int) -> str:
+    """What extending from the saved number of epochs does to each run's learning rate."""
+    from dgrad.train import build
+    from dgrad.train import config as fields
+
+    old = fields.base()
+    old.unlock()
+    old.update_from_flattened_dict(
+        {k: tuple(v) if isinstance(v, list) else v for k, v in fields.flatten(saved).items()}
+    )
+    end = old.num_epochs * steps_per_epoch
+    notes = []
+    for run in fields.runs_of(config):
+        every = 1 if run.fused else config.accumulate
+        before = float(build.learning_rate(old, run.method, steps_per_epoch, every)(end // every))
+        after = float(build.learning_rate(config, run.method, steps_per_epoch, every)(end // every))
+        notes.append(f"{run.title}: at step {end} the rate was {before:.4g}, now {after:.4g}")
+    return (
+        f"Extending from {old.num_epochs} to {config.num_epochs} epochs: the "
+        f"{config.optimizer.schedule} learning-rate schedule is laid out over the new length "
+        f"({'; '.join(notes)})."
+    )
+
+
+def train(
+    config: ml_collections.ConfigDict,
+    workdir_path: str | os.PathLike,
+    *,
+    devices=None,
+    extend: bool = False,
+    log: Callable[[str], None] | None = None,
+    progress_stream=None,
+    stop: StopRequests | None = None,
+    name: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Trains every run of `config` in `workdir_path` (resuming what is there).
+
+    Args:
+      config: an experiment config (`dgrad.train.config.base()` and what the
+        files in `experiments/configs/` make of it).
+      workdir_path: the experiment's directory.
+      devices: the devices to use (default all, every process's).
+      extend: train a finished experiment for more epochs (`config.num_epochs`
+        above what it was trained for).
+      log: where progress lines go (default: print on process 0).
+      progress_stream: where the progress bar or lines go (default stderr).
+      stop: the `StopRequests` to honour (default: one that catches SIGINT and
+        SIGTERM while training).
+      name: the experiment's name, for the plot's title (default the workdir's).
+
+    Returns:
+      Per run title, the last epoch's record (`test_accuracy`, ...).
+
+    Raises:
+      SetupError naming the field, directory or stage at fault (nothing written);
+      `dgrad.data.DatasetNotFoundError`; `Stopped` when stopped by a signal.
+
+    >>> import io, tempfile
+    >>> from dgrad.train import config as fields
+    >>> config = fields.base()  # an MLP on the digits, FDG K=2, 2 steps
+    >>> config.dataset, config.model.name, config.split = "digits", "mlp", "balanced"
+    >>> config.num_epochs, config.steps_per_epoch, config.batch_size = 1, 2, 16
+    >>> lines, bar = [], io.StringIO()
+    >>> with tempfile.TemporaryDirectory() as workdir:
+    ...     first = train(config, workdir, log=lines.append, progress_stream=bar)
+    ...     again = train(config, workdir, log=lines.append, progress_stream=bar)
+    >>> sorted(first), first["FDG K=2"]["step"], again == first  # the second call resumes
+    (['FDG K=2'], 2, True)
+    >>> lines[-1]
+    '... finished earlier: nothing left to train.'
+    """
+    from dgrad.train import config as fields
+    from dgrad.train import workdir
+
+    log = log or _say
+    try:
+        fields.check(config)
+        plan = workdir.inspect(workdir_path, config, extend=extend)
+    except ValueError as error:
+        raise SetupError(str(error)) from error
+    runs = fields.runs_of(config)
+    if not extend:
+        finished = workdir.final_records(plan, runs)
+        if finished is not None:
+            log(f"{plan.path} finished earlier: nothing left to train.")
+            return finished
+    import jax
+    import numpy as np
+
+    from dgrad import distributed
+    from dgrad.train import build, loop  # the model's libraries: not needed to see it finished
+
+    with contextlib.ExitStack() as context:
+        stop = stop or context.enter_context(StopRequests())
+        dataset = build.load_dataset(config)
+        stop.check("loading the data")
+        try:
+            steps_per_epoch = build.steps_per_epoch(config, dataset, cut=plan.resumes)
+            if 0 < steps_per_epoch < config.steps_per_epoch:
+                log(
+                    f"config.steps_per_epoch={config.steps_per_epoch} is more than the "
+                    f"{steps_per_epoch} batches of the training split; this workdir trains "
+                    f"{steps_per_epoch} per epoch, as it was started."
+                )
+            devices = list(devices or jax.devices())
+            example = tuple(np.asarray(a) for a in _example_batch(config, dataset))
+            pipes, initial = [], []
+            for run in runs:
+                pipes.append(build.build_pipeline(config, run, dataset, steps_per_epoch, devices))
+                initial.append(pipes[-1].init(example))
+                stop.check("building the model")
+        except ValueError as error:
+            raise SetupError(str(error)) from error
+        if plan.extends_from is not None:
+            log(_extension_note(config, plan.saved, steps_per_epoch))
+        problem = None
+        if jax.process_index() == 0:
+            try:
+                context.enter_context(workdir.hold(plan.path))
+                held = workdir.inspect(workdir_path, config, extend=extend)  # as it is now
+                plan = dataclasses.replace(held, existed=plan.existed)
+                workdir.create(plan, config)
+            except ValueError as error:
+                problem = str(error)
+        problem = distributed.told_by_process_0(f"workdir {plan.path}", problem)
+        if problem is not None:  # every process refuses alike
+            raise SetupError(problem)
+        results = {}
+        try:
+            for run, pipe, state in zip(runs, pipes, initial):
+                log(f"\n{run.title}: {pipe}")
+                ctx = loop.RunContext(
+                    run=run,
+                    pipe=pipe,
+                    initial=state,
+                    dataset=dataset,
+                    steps_per_epoch=steps_per_epoch,
+                    run_dir=os.path.join(plan.path, run.label),
+                    log=log,
+                    progress_stream=progress_stream,
+                    stop=stop,
+                    extends_from=plan.extends_from,
+                )
+                try:
+                    results[run.title] = loop.train_run(config, ctx)
+                except workdir.WorkdirError as error:
+                    raise SetupError(str(error)) from error
+                if jax.process_index() == 0:
+                    _plot(plan.path, runs, config, name or os.path.basename(plan.path))
+            if stop.requested is not None:
+                raise Stopped(stop.requested, "Stopped after the last run had finished and saved.")
+        except BaseException:
+            if jax.process_index() == 0:
+                workdir.take_back(plan, [r.label for r in runs])
+            raise
+    return results
+
+
+def _example_batch(config, dataset):
+    """A batch of the training split's shapes (its first `batch_size` examples)."""
+    import numpy as np
+
+    indices = np.arange(config.batch_size) % len(dataset.train)
+    images, labels = dataset.train.get(indices)
+    return dataset.eval_transform.apply(images, labels, None)
+
+
+def _plot(path: str, runs, config, name: str) -> None:
+    from dgrad.train import metrics
+
+    records = {r.title: metrics.read(os.path.join(path, r.label, "metrics.jsonl")) for r in runs}
+    curves = {t: [r for r in rs if r["kind"] == "epoch"] for t, rs in records.items()}
+    probes = {t: [r for r in rs if r["kind"] == "probe"] for t, rs in records.items()}
+    title = f"{name}: {config.dataset}, {config.model.name}"
+    metrics.plot_curves(
+        {k: v for k, v in curves.items() if v},
+        os.path.join(path, "curves.png"),
+        title=title,
+        probes=probes,
+    )
