@@ -12,9 +12,14 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
     python -m experiments.benchmark --stages 1,2 --data-parallel 1,2   # K x D layouts
     python -m experiments.benchmark --policies               # FDG's memory policies too
     python -m experiments.benchmark --allocator default      # glibc's own malloc thresholds
+    python -m experiments.benchmark --processes 2            # FDG K=2, a process per stage
 
 Without an accelerator the stages run on fake CPU devices (one per stage and
 replica), which share the machine's cores; on GPUs it uses the real devices.
+With `--processes K` it times FDG (or the first of `--methods`) with K stages
+on K processes pinned to a core each, beside the same pipeline in one process
+and fused BP pinned to one core, and what the moves between the processes
+cost per step (`dgrad.benchmark_across`).
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ def parse_args(argv=None):
         "default: glibc's moving thresholds (dgrad.benchmark.steady_allocator)",
     )
     parser.add_argument(
+        "--processes",
+        type=int,
+        help="time the pipeline with a process per stage (pinned to a core each), K = this",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a one-minute check: ResNet-8 (width 8), batch 32, K = 1, 2, 3 rounds of 3 steps, "
@@ -91,6 +101,8 @@ def parse_args(argv=None):
     for name in ("width", "image_size", "batch_size", "windows", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.processes is not None and args.processes < 2:
+        parser.error("--processes needs 2 or more (one stage per process)")
     uneven = [d for d in args.data_parallel if args.batch_size % d]
     if uneven:
         parser.error(
@@ -101,20 +113,107 @@ def parse_args(argv=None):
 
 
 def blocks_of(args):
-    from dgrad import models
+    from dgrad.benchmark_across import chain_of
 
-    if args.model == "mlp":
-        pixels = args.image_size * args.image_size * 3
-        return models.mlp_blocks([pixels, 512, 512, 512, 512, 10])
-    if args.model.startswith("resnet"):
-        depth = int(args.model[len("resnet") :])
-        return models.cifar_resnet_blocks(depth, 10, width=args.width)
-    depth, widen = (int(n) for n in args.model[len("wrn") :].split("-"))
-    return models.wide_resnet_blocks(depth, widen, 10)
+    return chain_of({"model": args.model, "width": args.width, "image_size": args.image_size})
+
+
+def serve(argv):
+    """A worker of `--processes`: `--serve --spec=JSON [--pin=CORE] [--cpu_devices=N]
+    [--coordinator=... --num_processes=... --process_id=...]`."""
+    import json
+
+    from dgrad import benchmark_across, distributed
+
+    parser = OneLineParser(prog="python -m experiments.benchmark --serve")
+    for name in ("--spec", "--coordinator"):
+        parser.add_argument(name)
+    for name in ("--pin", "--cpu_devices", "--num_processes", "--process_id"):
+        parser.add_argument(name, type=int)
+    args = parser.parse_args(argv)
+    benchmark_across.pin_and_join(
+        args.pin,
+        lambda: distributed.initialize(
+            args.coordinator, args.num_processes, args.process_id, cpu_devices=args.cpu_devices
+        ),
+    )
+    benchmark_across.serve(json.loads(args.spec))
+
+
+def across(args):
+    """`--processes K`: the pipeline across processes beside one process and fused BP."""
+    import numpy as np
+
+    from dgrad import balance, benchmark_across, models
+    from dgrad import benchmark as bench
+
+    k = args.processes
+    chain = blocks_of(args)
+    costs = chain.costs
+    if args.split == "profiled":
+        costs = balance.profile_blocks(chain.modules, _batch(args)[0], repeats=5)
+        print("# block forward+backward ms: " + " ".join(f"{1e3 * c:.1f}" for c in costs))
+    cuts = models.choose_cuts(
+        balance.balanced_cuts(costs, k) if args.split == "profiled" else args.split,
+        k,
+        costs,
+        chain.authors,
+        model=args.model,
+    )
+    ceiling = balance.speedup_ceiling(costs, cuts)
+    method = "fdg" if "fdg" in args.methods else args.methods[0]
+    spec = {
+        "model": args.model,
+        "width": args.width,
+        "image_size": args.image_size,
+        "batch_size": args.batch_size,
+        "method": method,
+        "fused": False,
+        "stages": k,
+        "cuts": list(cuts),
+    }
+    print(f"# {args.model}, batch {args.batch_size}: {method} K={k}, cuts {list(cuts)}")
+    print(f"# predicted ceiling (sum of stage costs / slowest stage): {ceiling:.2f}x")
+    rates = benchmark_across.compare(spec, k, windows=args.windows, steps=args.steps)
+    moves = rates.pop("moves ms/step")
+    base = np.array(rates["bp fused, pinned"])
+    print()
+    print(
+        "| configuration | samples/s median [min-max] | x fused BP pinned [min-max] | "
+        "of the ceiling |"
+    )
+    print("|---|---|---|---|")
+    for name, values in rates.items():
+        values = np.array(values)
+        ratio = values / base
+        share = "-" if name == "bp fused, pinned" else f"{100 * np.median(ratio) / ceiling:.0f}%"
+        print(
+            f"| {name} | {np.median(values):.1f} [{values.min():.1f}-{values.max():.1f}] | "
+            f"{bench.summary(ratio)} | {share} |"
+        )
+    step_ms = 1e3 * args.batch_size / np.median(rates[list(rates)[-1]])
+    print(
+        f"# moves between the processes: {np.median(moves):.2f} ms/step "
+        f"[{min(moves):.2f}-{max(moves):.2f}] of a {step_ms:.0f} ms step"
+    )
+    return rates
+
+
+def _batch(args):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(args.batch_size, args.image_size, args.image_size, 3))
+    return (images.astype(np.float32), rng.integers(0, 10, args.batch_size).astype(np.int32))
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--serve"]:
+        return serve(argv[1:]) or True
     args = parse_args(argv)
+    if args.processes:
+        return across(args)
     from dgrad.benchmark import steady_allocator
 
     steady = args.allocator == "steady" and steady_allocator()  # before JAX allocates

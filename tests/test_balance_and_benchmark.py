@@ -2,6 +2,7 @@
 benchmark script."""
 
 import json
+import re
 import sys
 
 import jax
@@ -162,3 +163,31 @@ def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     assert names[:3] == ["plain JAX (no dgrad)", "bp fused", "bp fused, data parallel"]
     assert ("fdg", "2", "2") in [tuple(r.split("|")[i].strip() for i in (1, 2, 3)) for r in rows]
     assert len(list(tmp_path.glob("*.png"))) == len(rows) - 2  # every pipeline traced
+
+
+@pytest.mark.slow
+def test_the_benchmark_across_processes_prints_every_case_and_the_moves():
+    status, output = run_command(
+        [
+            sys.executable,
+            "-m",
+            "experiments.benchmark",
+            "--processes=2",
+            "--model=mlp",
+            "--image-size=4",
+            "--batch-size=16",
+            "--windows=2",
+            "--steps=2",
+            "--split=balanced",
+        ],
+        timeout=600,
+        cwd=ROOT,
+    )
+    rows = [
+        line for line in output.splitlines() if line.startswith("| ") and "samples/s" not in line
+    ]
+    names = [row.split("|")[1].strip() for row in rows]
+    assert names == ["bp fused, pinned", "fdg K=2, one process", "fdg K=2, 2 processes pinned"]
+    assert rows[0].split("|")[3].strip() == "1.00 [1.00-1.00]"
+    assert re.search(r"# moves between the processes: \d+\.\d\d ms/step", output), output
+    assert "# predicted ceiling (sum of stage costs / slowest stage): " in output

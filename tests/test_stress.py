@@ -5,8 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-
-from tests.helpers import ROOT, run_command
+from helpers import ROOT, run_command
 
 STRESS = [sys.executable, "-m", "experiments.stress"]
 

@@ -16,10 +16,10 @@ import threading
 import time
 
 import pytest
+from helpers import ROOT, alive, descendants, kill_tree, run_command
 
 from dgrad.distributed import launch_local
 from dgrad.train.watchdog import STALLED, TEST_STALL_ENV
-from tests.helpers import ROOT, alive, descendants, kill_tree, run_command
 
 TRAIN = [sys.executable, "-m", "experiments.train"]
 SHORT = [

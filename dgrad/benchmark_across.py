@@ -1,0 +1,264 @@
+"""Speed of a pipeline whose stages live on separate processes, side by side with the same
+pipeline in one process and with fused BP.
+
+Each case runs in processes of its own that wait for orders on stdin: `Group`
+starts them (under `jax.distributed` when there are several) and `Group.window`
+has them all train `steps` steps and report how long they took. The rounds go
+case by case, so every case is timed under the same machine load, as
+`dgrad.benchmark.measure` does inside one process. A process may be pinned to
+one core (`os.sched_setaffinity`): on a CPU-only machine, one core per stage
+stands for the papers' one accelerator per module.
+
+The worker side is `serve`: it builds the case's pipeline from a JSON spec,
+fills it, then answers `window STEPS` with `time SECONDS`, and `moves STEPS`
+(cases across processes) with the time of moving one step's activation and
+cotangent between the stages and nothing else.
+
+>>> spec_flags({"model": "mlp", "cuts": [2], "fused": False}, pin=0)
+['--spec={"model": "mlp", "cuts": [2], "fused": false}', '--pin=0']
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from dgrad.distributed import child_options, free_port
+
+WORKER = [sys.executable, "-m", "experiments.benchmark", "--serve"]
+
+
+def chain_of(spec: dict):
+    """The blocks of the benchmark's model `spec["model"]` (mlp, resnetN, wrnD-W), for images
+    of `spec["image_size"]` pixels a side and ResNets of `spec["width"]` channels.
+
+    >>> len(chain_of({"model": "resnet20", "width": 4, "image_size": 8}).modules)
+    11
+    """
+    from dgrad import models
+
+    name, size = spec["model"], spec.get("image_size", 32)
+    if name == "mlp":
+        return models.mlp_blocks([size * size * 3, 512, 512, 512, 512, 10])
+    if name.startswith("resnet"):
+        return models.cifar_resnet_blocks(
+            int(name[len("resnet") :]), 10, width=spec.get("width", 16)
+        )
+    depth, widen = (int(n) for n in name[len("wrn") :].split("-"))
+    return models.wide_resnet_blocks(depth, widen, 10)
+
+
+def spec_flags(spec: dict, pin: int | None) -> list[str]:
+    """The worker's flags for a case `spec` (and the core to pin it to).
+
+    >>> spec_flags({"model": "mlp"}, None)
+    ['--spec={"model": "mlp"}']
+    """
+    return [f"--spec={json.dumps(spec)}"] + ([] if pin is None else [f"--pin={pin}"])
+
+
+class Group:
+    """The processes of one case, started and filled; `window` times them.
+
+    Args:
+      name: the case's name in the table.
+      spec: what `serve` builds (model, cuts, batch size, method, fused).
+      processes: how many processes (stage k on process k when several).
+      devices: fake CPU devices per process.
+      pins: the core of each process (None: not pinned).
+
+    >>> import sys
+    >>> spec = {"model": "mlp", "width": 8, "image_size": 4, "cuts": [], "batch_size": 8,
+    ...         "method": "bp", "fused": True, "stages": 1}
+    >>> group = Group("bp", spec, processes=1, devices=1)
+    >>> seconds = group.window(2)
+    >>> group.close(); seconds > 0
+    True
+    """
+
+    def __init__(
+        self,
+        name: str,
+        spec: dict,
+        *,
+        processes: int,
+        devices: int,
+        pins: Sequence[int | None] | None = None,
+        timeout_s: float = 600.0,
+    ):
+        self.name, self.spec, self.processes, self.devices = name, spec, processes, devices
+        self.pins = list(pins) if pins is not None else [None] * processes
+        self.timeout_s = timeout_s
+        coordinator = f"127.0.0.1:{free_port()}"
+        self.children = []
+        for index in range(processes):
+            argv = [*WORKER, *spec_flags(spec, self.pins[index]), f"--cpu_devices={devices}"]
+            if processes > 1:
+                argv += [
+                    f"--coordinator={coordinator}",
+                    f"--num_processes={processes}",
+                    f"--process_id={index}",
+                ]
+            self.children.append(
+                subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    **child_options(PYTHONUNBUFFERED="1"),
+                )
+            )
+        self._answers("ready")
+
+    def _answers(self, word: str) -> list[float]:
+        values = []
+        for child in self.children:
+            while True:
+                line = child.stdout.readline()
+                if not line:
+                    self.close()
+                    raise RuntimeError(f"{self.name}: a worker exited ({child.wait()})")
+                if line.startswith(word):
+                    values.append(float(line.split()[1]) if " " in line.strip() else 0.0)
+                    break
+        return values
+
+    def _order(self, line: str) -> None:
+        for child in self.children:
+            child.stdin.write(line + "\n")
+            child.stdin.flush()
+
+    def window(self, steps: int) -> float:
+        """Seconds for `steps` training steps, the slowest process's."""
+        self._order(f"window {steps}")
+        return max(self._answers("time"))
+
+    def moves(self, steps: int) -> float:
+        """Seconds for `steps` steps' cross-process moves alone (activation and cotangent)."""
+        self._order(f"moves {steps}")
+        return max(self._answers("time"))
+
+    def close(self) -> None:
+        """Stops the processes (they exit when their stdin closes)."""
+        for child in self.children:
+            try:
+                child.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + 30
+        for child in self.children:
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+
+
+def serve(spec: dict, *, stdin=None, stdout=None) -> None:
+    """A worker: builds `spec`'s pipeline on this process's devices (all processes'
+    under `jax.distributed`), fills it, says `ready`, then answers orders from `stdin`.
+
+    >>> import io
+    >>> spec = {"model": "mlp", "width": 8, "image_size": 4, "cuts": [2], "batch_size": 8,
+    ...         "method": "fdg", "fused": False, "stages": 2}
+    >>> out = io.StringIO()
+    >>> serve(spec, stdin=io.StringIO("window 2\\nmoves 2\\n"), stdout=out)
+    >>> [line.split()[0] for line in out.getvalue().splitlines()]
+    ['ready', 'time', 'time']
+    """
+    import jax
+    import numpy as np
+    import optax
+
+    import dgrad
+
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    size = spec.get("image_size", 32)
+    stages = chain_of(spec).stages(spec["stages"], spec["cuts"])
+    optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.01, momentum=0.9))
+    pipe = dgrad.Pipeline(stages, optimizer=optimizer, method=spec["method"], fused=spec["fused"])
+    rng = np.random.default_rng(0)
+    images = rng.normal(size=(spec["batch_size"], size, size, 3)).astype(np.float32)
+    batch = (images, rng.integers(0, 10, spec["batch_size"]).astype(np.int32))
+    state = pipe.init(batch)
+    for _ in range(2 * pipe.num_stages + 2):
+        state, _ = pipe.step(state, batch)
+    jax.block_until_ready(state)
+    # One step's moves, each from a value of its shape already in flight: the cotangent
+    # stage k holds crosses k -> k+1 as stage k's output does, the activation stage k+1
+    # holds crosses back as its cotangent does.
+    in_flight = [(m.value, k, k + 1) for k, m in enumerate(state.cotangents) if m is not None]
+    in_flight += [(m.value, k, k - 1) for k, m in enumerate(state.activations) if m is not None]
+    stdout.write("ready\n")
+    stdout.flush()
+    for line in stdin:
+        order, _, count = line.strip().partition(" ")
+        steps = int(count)
+        start = time.perf_counter()
+        if order == "window":
+            for _ in range(steps):
+                state, _ = pipe.step(state, batch)
+            jax.block_until_ready(state)
+        elif order == "moves":
+            for _ in range(steps):
+                jax.block_until_ready(
+                    [pipe.placement.move(value, src, dst) for value, src, dst in in_flight]
+                )
+        stdout.write(f"time {time.perf_counter() - start}\n")
+        stdout.flush()
+
+
+def pin_and_join(pin: int | None, join) -> None:
+    """Pins this process to core `pin` (before JAX starts its threads), then `join()`s.
+
+    >>> pin_and_join(None, lambda: None)  # nothing to pin, nothing to join
+    """
+    if pin is not None:
+        os.sched_setaffinity(0, {pin})
+    join()
+
+
+def compare(
+    spec: dict, num_stages: int, *, windows: int, steps: int, out=None
+) -> dict[str, list[float]]:
+    """Fused BP pinned to one core, the pipeline in one process on `num_stages` fake devices
+    (every core), and the same pipeline as `num_stages` processes pinned to a core each,
+    timed round by round; returns the samples/s of every window by case, and
+    `moves ms/step` (the cross-process moves of one step, alone). It starts four
+    processes, so its example is a test (tests/test_balance_and_benchmark.py).
+    """
+    out = out or sys.stdout
+    method, k = spec["method"], num_stages
+    cores = list(range(os.cpu_count() or 1))
+    fused = {**spec, "method": "bp", "fused": True, "stages": 1, "cuts": []}
+    groups = []
+    try:
+        for name, case, processes, devices, pins in [
+            ("bp fused, pinned", fused, 1, 1, [0]),
+            (f"{method} K={k}, one process", spec, 1, k, None),
+            (
+                f"{method} K={k}, {k} processes pinned",
+                spec,
+                k,
+                1,
+                [c % len(cores) for c in range(k)],
+            ),
+        ]:
+            out.write(f"# starting {name}\n")
+            out.flush()
+            groups.append(Group(name, case, processes=processes, devices=devices, pins=pins))
+        rates = {group.name: [] for group in groups}
+        for _ in range(windows):
+            for group in groups:
+                rates[group.name].append(spec["batch_size"] * steps / group.window(steps))
+        across = groups[-1]
+        rates["moves ms/step"] = [1e3 * across.moves(steps) / steps for _ in range(windows)]
+        return rates
+    finally:
+        for group in groups:
+            group.close()
