@@ -37,6 +37,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
@@ -443,11 +444,13 @@ def _share_leaf(leaf):
         return leaf
     owners = {d.process_index for d in leaf.sharding.device_set}
     if len(owners) == jax.process_count():
-        return leaf
-    if not (leaf.is_fully_replicated or len(owners) == 1):
-        return leaf  # spans several processes already: readable by orbax as it is
+        return leaf  # every process holds a part: readable by orbax as it is
     source = min(leaf.sharding.device_set, key=lambda d: d.id)
-    if source.process_index == jax.process_index():
+    if not (leaf.is_fully_replicated or len(owners) == 1):
+        return _gathered(leaf, _process_mesh(source))
+    if source.process_index == jax.process_index() and leaf.is_fully_replicated:
+        whole = _computed(next(s.data for s in leaf.addressable_shards if s.device == source))
+    elif source.process_index == jax.process_index():  # split over this process's devices
         whole = _computed(jax.device_put(leaf, SingleDeviceSharding(source)))
     else:
         whole = _nothing_on(source, leaf.shape, leaf.dtype)
@@ -464,13 +467,42 @@ def _share_leaf(leaf):
     )
 
 
+def _gathered(leaf, mesh: Mesh):
+    """A copy of `leaf` (split over the devices of some processes) whole on one device of
+    every process: each piece is sent to each process, which joins them."""
+    mine = {shard.device: shard.data for shard in _computed(leaf).addressable_shards}
+    index = leaf.sharding.devices_indices_map(leaf.shape)
+    devices = sorted(leaf.sharding.device_set, key=lambda d: [(i.start or 0) for i in index[d]])
+    wholes = []
+    for target in mesh.devices.flat:
+        pieces = [
+            jax.device_put(
+                mine[d]
+                if d in mine
+                else _nothing_on(d, leaf.sharding.shard_shape(leaf.shape), leaf.dtype),
+                SingleDeviceSharding(target),
+            )
+            for d in devices
+        ]
+        if target.process_index == jax.process_index():
+            wholes.append(jnp.concatenate(pieces, axis=0))
+    return jax.make_array_from_single_device_arrays(
+        leaf.shape, NamedSharding(mesh, P()), wholes, dtype=leaf.dtype
+    )
+
+
 def _unshare_leaf(leaf, target: jax.ShapeDtypeStruct):
     sharding = target.sharding
     if leaf.sharding == sharding:
         return leaf
     if not any(d.process_index == jax.process_index() for d in sharding.device_set):
         return _local_placeholder(leaf.shape, leaf.dtype, sharding)
-    return jax.device_put(leaf.addressable_data(0), sharding)
+    if sharding.is_fully_addressable:
+        return jax.device_put(leaf.addressable_data(0), sharding)
+    whole = np.asarray(leaf.addressable_data(0))  # restoring only: through the host is fine
+    return jax.make_array_from_callback(
+        leaf.shape, sharding, lambda index: whole[index], dtype=leaf.dtype
+    )
 
 
 def shared_target(target: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
@@ -482,7 +514,7 @@ def shared_target(target: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     True
     """
     owners = {d.process_index for d in target.sharding.device_set}
-    if jax.process_count() == 1 or len(owners) > 1:
+    if len(owners) == jax.process_count():
         return target
     source = min(target.sharding.device_set, key=lambda d: d.id)
     return jax.ShapeDtypeStruct(
