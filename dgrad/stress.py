@@ -16,6 +16,7 @@ or failed otherwise.
 from __future__ import annotations
 
 import dataclasses
+import io
 import statistics
 import sys
 import tempfile
@@ -127,12 +128,12 @@ def run_once(layout: Layout, method: str, deadline_s: float, extra: Sequence[str
             *extra,
             f"--workdir={workdir}/run",
         ]
-        log = _Text()
+        log = io.StringIO()
         start = time.monotonic()
         status = launch_local(
             command, layout.processes, cpu_devices=layout.devices, timeout=deadline_s, out=log
         )
-        return status, time.monotonic() - start, log.text
+        return status, time.monotonic() - start, log.getvalue()
 
 
 def stress(
@@ -188,14 +189,3 @@ def table(outcomes: Sequence[Outcome]) -> str:
             f"{o.failed} | {o.median_s:.1f} |"
         )
     return "\n".join(lines)
-
-
-class _Text:
-    def __init__(self):
-        self.text = ""
-
-    def write(self, text):
-        self.text += text
-
-    def flush(self):
-        pass

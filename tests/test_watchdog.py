@@ -7,6 +7,7 @@ collective or a dead peer would hold it.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -39,17 +40,6 @@ def _checkpoint_steps(run_dir):
     )
 
 
-class _Log:
-    def __init__(self):
-        self.text = ""
-
-    def write(self, text):
-        self.text += text
-
-    def flush(self):
-        pass
-
-
 @pytest.mark.slow
 def test_a_stalled_process_stops_every_process_with_one_line_each(tmp_path, monkeypatch):
     """Process 1 blocks before step 7 (after the checkpoint of step 6): it stops itself as
@@ -57,21 +47,23 @@ def test_a_stalled_process_stops_every_process_with_one_line_each(tmp_path, monk
     and the same command resumes from it."""
     monkeypatch.setenv(TEST_STALL_ENV, "1:6")
     command = [*TRAIN, *SHORT, "--config.stall_timeout=8", f"--workdir={tmp_path}/run"]
-    log = _Log()
+    log = io.StringIO()
     started = time.monotonic()
     status = launch_local(command, 2, cpu_devices=1, timeout=240, out=log)
-    assert status == STALLED, f"status {status}:\n{log.text[-4000:]}"
+    assert status == STALLED, f"status {status}:\n{log.getvalue()[-4000:]}"
     assert time.monotonic() - started < 200
-    lines = WATCHDOG_LINE.findall(log.text)
-    assert sorted(process for process, _ in lines) == ["0", "1"], log.text[-4000:]
-    assert "[1] [process 1] stalled: no step completed for" in log.text
-    assert "after step 6 in injected_stall" in log.text
+    lines = WATCHDOG_LINE.findall(log.getvalue())
+    assert sorted(process for process, _ in lines) == ["0", "1"], log.getvalue()[-4000:]
+    assert "[1] [process 1] stalled: no step completed for" in log.getvalue()
+    assert "after step 6 in injected_stall" in log.getvalue()
     assert _checkpoint_steps(tmp_path / "run" / "fdg_k2")[-1] == 6
 
     monkeypatch.delenv(TEST_STALL_ENV)
-    log = _Log()
-    assert launch_local(command, 2, cpu_devices=1, timeout=240, out=log) == 0, log.text[-4000:]
-    assert "resumed from the checkpoint at step 6" in log.text
+    log = io.StringIO()
+    assert launch_local(command, 2, cpu_devices=1, timeout=240, out=log) == 0, log.getvalue()[
+        -4000:
+    ]
+    assert "resumed from the checkpoint at step 6" in log.getvalue()
 
 
 def _start_stuck(args, env, wanted: str, timeout: float = 180):
