@@ -154,6 +154,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def outliving(pids, seconds: float) -> list[int]:
+    """Waits up to `seconds` for `pids` to end; SIGKILLs and returns those still running."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILLs `pid`'s process group and every process it started, by id (the runs a
     launcher starts live in sessions of their own). The group is frozen first, so that

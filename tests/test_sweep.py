@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, alive, descendants, kill_tree, run_command
+from helpers import ROOT, descendants, kill_tree, outliving, run_command
 
 from dgrad.train import config as fields
 from dgrad.train.sweep import Sweep, SweepError, expand, parse_grid
@@ -153,12 +153,7 @@ def test_a_run_stops_with_a_checkpoint_when_its_sweep_dies(tmp_path):
     assert runs, "the sweep started no run"
     os.kill(sweep.pid, signal.SIGKILL)
     sweep.wait()
-    deadline = time.monotonic() + 120
-    while any(alive(pid) for pid in runs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [pid for pid in runs if alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = outliving(runs, 120)
     text = log.read_text()
     assert not left, f"the run outlived its sweep by 120 s:\n{text[-3000:]}"
     assert "Stopped at step " in text, text[-3000:]

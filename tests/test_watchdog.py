@@ -17,7 +17,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, alive, descendants, kill_tree, run_command
+from helpers import ROOT, descendants, kill_tree, outliving, run_command
 
 from dgrad.distributed import launch_local
 from dgrad.train.watchdog import STALLED, TEST_STALL_ENV
@@ -139,12 +139,7 @@ def test_the_processes_of_a_killed_launcher_stop_while_stuck(tmp_path):
     assert len(runs) == 2, runs
     os.kill(launcher.pid, signal.SIGKILL)
     launcher.wait(timeout=10)
-    deadline = time.monotonic() + 20
-    while any(alive(pid) for pid in runs) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = [pid for pid in runs if alive(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = outliving(runs, 20)
     assert not left, f"still running 20 s after the launcher died:\n{''.join(lines)[-3000:]}"
 
 
