@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import pathlib
 import statistics
 import sys
 import tempfile
@@ -144,12 +145,17 @@ def stress(
     *,
     extra: Sequence[str] = (),
     report=None,
+    logs: pathlib.Path | None = None,
 ) -> list[Outcome]:
     """Every layout with every method, `runs` times (or `runs[layout.name]` times); what
-    did not finish is described on `report` with the last lines it printed.
+    did not finish is described on `report` with the last lines it printed, and its whole
+    output is kept in the folder `logs` when one is given.
 
-    >>> [o.statuses for o in stress([LAYOUTS[2]], ["fdg"], 1, 1.0)]  # 1 s: past the deadline
+    >>> logs = pathlib.Path(tempfile.mkdtemp())
+    >>> [o.statuses for o in stress([LAYOUTS[2]], ["fdg"], 1, 1.0, logs=logs)]  # past 1 s
     [[124]]
+    >>> [path.name for path in logs.iterdir()]
+    ['2x1-fdg-1.log']
     """
     outcomes = []
     for layout in layouts:
@@ -160,6 +166,10 @@ def stress(
                 status, seconds, output = run_once(layout, method, deadline_s, extra)
                 outcome.statuses.append(status)
                 outcome.seconds.append(seconds)
+                if status != 0 and logs is not None:
+                    logs.mkdir(parents=True, exist_ok=True)
+                    name = f"{layout.name}-{method}-{attempt + 1}.log".replace(" ", "_")
+                    (logs / name).write_text(output)
                 if status != 0 and report is not None:
                     tail = "\n".join("    " + line for line in output.splitlines()[-8:])
                     report.write(

@@ -1,7 +1,7 @@
 """Train across local processes many times and count the runs that freeze.
 
     python -m experiments.stress                       # every layout, fdg and ddg, 10 runs each
-    python -m experiments.stress --runs 30 --layouts "2x2 spread" --methods fdg
+    python -m experiments.stress --runs 30 --layouts "2x2 spread" --methods fdg --logs /tmp/logs
 
 Layouts (processes x devices each): 2x2 spread and 2x2 interleaved (K=2, D=2), 2x1
 (K=2), 4x1 K=4 and 4x1 K=2xD=2. Each run is one epoch of the default config
@@ -10,6 +10,7 @@ the runs that finished, froze (past the deadline, or stopped as stalled) and
 failed otherwise. The exit status is 1 if any run did not finish.
 """
 
+import pathlib
 import sys
 
 from dgrad import stress
@@ -25,6 +26,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--methods", default="fdg,ddg", help="comma-separated methods")
     parser.add_argument("--deadline", type=float, default=180.0, help="seconds per run")
+    parser.add_argument("--logs", type=pathlib.Path, help="folder for each failed run's output")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -38,7 +40,9 @@ def main(argv=None) -> int:
     if not methods:
         parser.error("--methods names none")
     layouts = [layout for layout in stress.LAYOUTS if layout.name in chosen]
-    outcomes = stress.stress(layouts, methods, args.runs, args.deadline, report=sys.stdout)
+    outcomes = stress.stress(
+        layouts, methods, args.runs, args.deadline, report=sys.stdout, logs=args.logs
+    )
     print(stress.table(outcomes))
     return 0 if all(o.finished == len(o.statuses) for o in outcomes) else 1
 
