@@ -54,10 +54,10 @@ def profile_blocks(
         fns = StageFunctions(block, optax.identity(), options=replay, first=index == 0)
         params, rest = jax.device_put((fns.params, fns.rest), device)
         opt_state = fns.optimizer.init(params)
-        y, _, record = fns.forward(params, rest, opt_state, x)
+        y, _, record = fns.calls.forward(params, rest, opt_state, x)
         cotangent = jnp.ones_like(y)
 
-        backward_update = fns.undonated()["backward_update"]  # timed again and again
+        backward_update = fns.undonated().backward_update  # timed again and again
         args = (params, rest, opt_state, record, cotangent)
         jax.block_until_ready(backward_update(*args))
         samples = []

@@ -22,7 +22,8 @@ import dataclasses
 import math
 import numbers
 
-METHODS = ("bp", "ddg", "fdg", "fr", "dgl")
+METHODS = ("bp", "ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
+MICROBATCHED = ("gpipe", "1f1b", "2bw")  # split each batch into `microbatches`
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")
 PLACEMENTS = ("spread", "interleaved", "one_per_device")  # see dgrad.placement
@@ -80,7 +81,11 @@ class Options:
         "training method: bp (backprop), ddg (decoupled backward, Huo et al. 2018), fdg (fully "
         "decoupled, Zhuang et al. 2019), fr (Features Replay, Huo et al. 2018: ddg replaying "
         "on current weights), dgl (decoupled greedy learning, Belilovsky et al. 2020: each "
-        "stage trains on its own auxiliary head); dgrad.schedule states each timetable",
+        "stage trains on its own auxiliary head), gpipe (synchronous, Huang et al. 2019), "
+        "1f1b (1F1B-flush, Narayanan et al. 2021: gpipe's numbers in another order), "
+        "pipedream (asynchronous 1F1B with weight stashing, Harlap et al. 2019: ddg's "
+        "numbers), 2bw (PipeDream-2BW, Narayanan et al. 2021: each gradient one weight "
+        "version old); dgrad.schedule states each timetable",
     )
     beta: float = _help(
         1.0,
@@ -122,6 +127,11 @@ class Options:
         "gradient it applied against the same batch's gradient at the current weights, and "
         "how far its weights moved since that batch's forward; unset: never",
     )
+    microbatches: int | None = _help(
+        None,
+        "M, the microbatches each batch is split into (gpipe, 1f1b, 2bw: each stage sums "
+        "their gradients and updates once per batch); unset: 1",
+    )
 
     def __post_init__(self):
         _choice("method", self.method, METHODS)
@@ -130,6 +140,27 @@ class Options:
             raise ValueError(
                 f"beta={self.beta:g} asks for gradient shrinking, which only FDG has; use "
                 "method=fdg or beta=1."
+            )
+        if self.method in MICROBATCHED:
+            microbatches = 1 if self.microbatches is None else self.microbatches
+            _integer("microbatches", microbatches, 1, "the batch is split into that many")
+            object.__setattr__(self, "microbatches", microbatches)
+        elif self.microbatches not in (None, 1):
+            raise ValueError(
+                f"microbatches={self.microbatches!r}: method={self.method} has no microbatches "
+                f"(only {', '.join(MICROBATCHED)} do); leave it unset."
+            )
+        else:
+            object.__setattr__(self, "microbatches", 1)
+        if self.method in ("pipedream", "2bw") and self.weights not in (None, "stash"):
+            raise ValueError(
+                f"method={self.method} takes each gradient at the weights its forward used "
+                "(weight stashing); leave weights unset or use weights=stash."
+            )
+        if self.method == "2bw" and self.predict_lr is not None:
+            raise ValueError(
+                "predict_lr is not supported with method=2bw (its forward uses the weights "
+                "of one version before); leave predict_lr unset."
             )
         presets = {"fr": ("current", "recompute")}
         weights, memory = presets.get(self.method, ("stash", "residuals"))

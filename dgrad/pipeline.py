@@ -23,6 +23,7 @@ live and how they move is the `Placement`'s business.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -38,9 +39,53 @@ from dgrad.optim.prediction import momentum_of
 from dgrad.options import Options
 from dgrad.placement import Placement, share
 from dgrad.probe import Probe
-from dgrad.schedule import Schedule
-from dgrad.stage import LossFn, Residuals, StageFunctions, shape_dtype
+from dgrad.schedule import (
+    Apply,
+    Backward,
+    BackwardForward,
+    Forward,
+    Fused,
+    LocalLoss,
+    Loss,
+    Schedule,
+    Unit,
+)
+from dgrad.stage import Calls, LossFn, Residuals, StageFunctions, shape_dtype
 from dgrad.state import Message, PipelineState, StageState, stage_specs, structure
+
+
+class _Work:
+    """What one step's calls change as they run: the stages' states, the messages
+    waiting for a stage (keyed by (stage, unit)), each stage's sum of gradients before
+    its `Apply`, and the metrics of the units the last stage took its loss on."""
+
+    def __init__(self, stages: list[StageState], finite):
+        self.stages, self.finite = stages, finite
+        self.activations: dict[tuple[int, Unit], Message] = {}
+        self.cotangents: dict[tuple[int, Unit], Message] = {}
+        self.gradients: dict[int, Any] = {}
+        self.metric_sum, self.loss_count, self.loss_of = None, 0, None
+
+    def metrics(self) -> dict[str, Any]:
+        if self.metric_sum is None:
+            return {}
+        metrics = self.metric_sum
+        if self.loss_count > 1:
+            metrics = _mean(metrics, self.loss_count)
+        return {**metrics, "batch": self.loss_of}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _mean(sums, count: int):
+    return jax.tree.map(lambda value: value / count, sums)
+
+
+def _cut(inputs, labels, count: int):
+    """Batch rows m*B/M to (m+1)*B/M for each microbatch m of M = `count`."""
+    size = inputs.shape[0] // count
+    return [
+        (inputs[m * size : (m + 1) * size], labels[m * size : (m + 1) * size]) for m in range(count)
+    ]
 
 
 def _split_batch(batch):
@@ -62,7 +107,7 @@ class Pipeline:
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
       method, beta, weights, memory, fused, predict_lr, data_parallel, accumulate,
-        probe_every: the training options, see `dgrad.options.Options` (also for
+        probe_every, microbatches: the training options, see `dgrad.options.Options` (also for
         what they mean).
       devices, placement: which devices, and how stages (and their
         `data_parallel` replicas) map onto them; see `dgrad.placement.Placement`.
@@ -98,6 +143,7 @@ class Pipeline:
         data_parallel: int = 1,
         accumulate: int = 1,
         probe_every: int | None = None,
+        microbatches: int | None = None,
         devices: Sequence[jax.Device] | None = None,
         placement: str | Sequence = "spread",
         loss_fn: LossFn = losses.softmax_cross_entropy,
@@ -117,32 +163,37 @@ class Pipeline:
             data_parallel=data_parallel,
             accumulate=accumulate,
             probe_every=probe_every,
+            microbatches=microbatches,
         )
         self.num_stages = len(stages)
-        if method == "dgl":
-            _check_aux_heads(stages)
-        self.schedule = Schedule(method, self.num_stages)
+        self.schedule = Schedule(
+            method, self.num_stages, microbatches=self.options.microbatches, fused=fused
+        )
+        _check_aux_heads(stages, self.schedule)
         self.placement = Placement(
             self.num_stages, devices, placement, data_parallel=data_parallel, fused=fused
         )
         self.loss_fn = loss_fn
-        last, greedy = self.num_stages - 1, method == "dgl"
+        last, locally = self.num_stages - 1, self.schedule.trains_locally
         self.stages = [
             StageFunctions(
                 module,
                 self._stage_optimizer(optimizer, k),
                 options=self.options,
-                first=k == 0 or greedy,
-                loss_fn=loss_fn if k == last or greedy else None,
+                first=not self.schedule.sends_cotangent(k),
+                loss_fn=loss_fn if k == last or locally(k) else None,
                 staleness=self.schedule.weight_staleness(k),
                 replicated=self.placement.replicated(k),
                 sharded=self.placement.sharded(k),
             )
             for k, module in enumerate(stages)
         ]
-        self._calls = [fns.jitted() for fns in self.stages]
-        if fused:
-            self._calls[0]["fused_step"] = jax.jit(self._fused_step, donate_argnums=(0, 1, 2))
+        self._calls: list[Calls] = [fns.calls for fns in self.stages]
+        self._fused = jax.jit(self._fused_step, donate_argnums=(0, 1, 2))
+        self._microbatches = jax.jit(
+            functools.partial(_cut, count=self.options.microbatches),
+            out_shardings=self.placement.sharded(0),
+        )
         self._evaluation_sums = jax.jit(self._evaluation_sums_fn)
         self._probe = Probe(self)
         self.probe_window = self.schedule.longest_wait() if probe_every is not None else 0
@@ -200,12 +251,11 @@ class Pipeline:
         [(0, 'forward'), (0, 'forward'), (1, 'loss_step')]
         """
         view = copy.copy(self)
-        view._calls = []
-        for k, fns in enumerate(self.stages):
-            functions = fns.undonated()
-            if self.fused and k == 0:
-                functions["fused_step"] = jax.jit(self._fused_step)
-            view._calls.append({name: wrap(k, name, fn) for name, fn in functions.items()})
+        view._calls = [
+            Calls(*(wrap(k, name, fn) for name, fn in zip(Calls._fields, fns.undonated())))
+            for k, fns in enumerate(self.stages)
+        ]
+        view._fused = wrap(0, "fused_step", jax.jit(self._fused_step))
         return view
 
     # ------------------------------------------------------------------ init
@@ -228,14 +278,24 @@ class Pipeline:
         ValueError: This batch's (inputs, labels) are (float32[2, 4], int32[2]), but init saw ...
         """
         inputs, labels = _split_batch(example_batch)
-        self.placement.check_batch_size(np.shape(inputs)[0])
+        rows, count = np.shape(inputs)[0], len(self.schedule.units(0))
+        if rows % count:
+            raise ValueError(
+                f"A batch of {rows} cannot be cut into microbatches={count} equal parts; "
+                f"use a batch size that is a multiple of {count}."
+            )
+        self.placement.check_batch_size(rows // count)
         self._batch_shapes = (shape_dtype(inputs), shape_dtype(labels))
-        self.specs = stage_specs(self.stages, *self._batch_shapes)
+        self.specs = stage_specs(
+            self.stages,
+            *(s.update(shape=(rows // count, *s.shape[1:])) for s in self._batch_shapes),
+        )
         stages = []
         for k, fns in enumerate(self.stages):
             params, rest = self.placement.put((fns.params, fns.rest), k)
             init = jax.jit(fns.optimizer.init, out_shardings=self.placement.replicated(k))
-            stages.append(StageState(params, rest, init(params)))
+            previous = params if self.schedule.keeps_previous_weights else None
+            stages.append(StageState(params, rest, init(params), previous=previous))
         if self.options.predict_lr is not None:
             for k, stage in enumerate(stages):
                 if self.schedule.weight_staleness(k) > 0:
@@ -268,10 +328,10 @@ class Pipeline:
 
         Returns the new state and the metrics of the batch the last stage took
         its loss on in this step: device arrays (`loss` and what `loss_fn`
-        reports) plus `batch`, that batch's index in the stream. While an FDG
-        pipeline fills, the last stage has no batch yet and the metrics are `{}`.
-        On probed steps (`probe_every`) they also hold `probe` (see `probe`) and
-        `probe_step`, this step's index.
+        reports, means over the batch) plus `batch`, that batch's index in the
+        stream. While an FDG pipeline fills, the last stage has no batch yet and
+        the metrics are `{}`. On probed steps (`probe_every`) they also hold
+        `probe` (see `probe`) and `probe_step`, this step's index.
 
         >>> import jax.numpy as jnp, optax
         >>> from dgrad import models
@@ -287,11 +347,7 @@ class Pipeline:
         every = self.options.probe_every
         if every is not None and state.step % every == 0:
             probe = self.probe(state, (inputs, labels))
-        if self.fused:
-            state, metrics = self._step_fused(state, inputs, labels)
-        else:
-            step = self._step_bp if self.method == "bp" else self._step_staged
-            state, metrics = step(state, inputs, labels)
+        state, metrics = self._carry_out(state, inputs, labels)
         if self.probe_window:
             kept = state.recent + (Message(state.step - 1, inputs, labels),)
             state = state.replace(recent=kept[-self.probe_window :])
@@ -299,120 +355,175 @@ class Pipeline:
             metrics = {**metrics, "probe": probe, "probe_step": state.step - 1}
         return state, metrics
 
+    def _carry_out(self, state: PipelineState, inputs, labels):
+        """Does the timetable's work of step `state.step`, one call after another."""
+        t = state.step
+        units = self.schedule.units(t)
+        if units == [t]:
+            pieces = [(inputs, labels)]
+        else:
+            pieces = self._microbatches(inputs, labels)
+        work = _Work(list(state.stages), state.finite)
+        work.activations = {(0, u): Message(u, *piece) for u, piece in zip(units, pieces)}
+        for k, message in enumerate(state.activations):
+            if message is not None:
+                work.activations[(k, message.batch)] = message
+        for k, message in enumerate(state.cotangents):
+            if message is not None:
+                work.cotangents[(k, message.batch)] = message
+        for call in self.schedule.work(t):
+            match call:
+                case Forward():
+                    self._do_forward(call, work)
+                case BackwardForward():
+                    self._do_backward_forward(call, work)
+                case Backward():
+                    self._do_backward(call, work)
+                case Loss():
+                    self._do_loss(call, work)
+                case LocalLoss():
+                    self._do_local_loss(call, work)
+                case Apply():
+                    self._do_apply(call, work)
+                case Fused():
+                    self._do_fused(call, work)
+        return state.replace(
+            step=t + 1,
+            stages=tuple(work.stages),
+            activations=self._waiting(work.activations, "activation"),
+            cotangents=self._waiting(work.cotangents, "cotangent"),
+            finite=work.finite,
+        ), work.metrics()
+
+    def _waiting(self, messages: dict, kind: str) -> tuple[Message | None, ...]:
+        """The messages left at the end of a step, by the stage they wait for."""
+        waiting = [None] * self.num_stages
+        for (k, unit), message in messages.items():
+            if waiting[k] is not None or (kind == "activation" and k == 0):
+                raise AssertionError(
+                    f"the timetable left more than one {kind} for stage {k} (of {unit} and "
+                    f"{waiting[k] and waiting[k].batch}); the pipeline state is corrupt"
+                )
+            waiting[k] = message
+        return tuple(waiting)
+
     def _move(self, value, src: int, dst: int):
         return self.placement.move(value, src, dst)
 
-    def _forward(self, k: int, stage: StageState, x, batch: int) -> tuple[Any, StageState]:
-        y, rest, record = self._calls[k]["forward"](stage.params, stage.rest, stage.opt_state, x)
-        return y, stage.replace(rest=rest).keep(record, batch)
+    def _send_on(self, k: int, work: _Work, unit, y, labels) -> None:
+        if k < self.num_stages - 1:
+            work.activations[(k + 1, unit)] = Message(unit, *self._move((y, labels), k, k + 1))
 
-    def _backward_and_forward(self, k: int, stage: StageState, received: Message, x, batch: int):
-        """Stage k's backward + update of `received`'s batch and forward of `x`, one call."""
-        self._check_record(k, stage, received)
-        params, rest, opt_state, cotangent, y, record = self._calls[k]["step"](
+    def _send_back(self, k: int, work: _Work, unit, cotangent) -> None:
+        if cotangent is not None:
+            work.cotangents[(k - 1, unit)] = Message(unit, self._move(cotangent, k, k - 1))
+
+    def _do_forward(self, call: Forward, work: _Work) -> None:
+        k, stage = call.stage, work.stages[call.stage]
+        message = work.activations.pop((k, call.unit))
+        params = stage.previous if call.previous else stage.params
+        y, rest, record = self._calls[k].forward(params, stage.rest, stage.opt_state, message.value)
+        work.stages[k] = stage.replace(rest=rest).keep(record, call.unit)
+        self._send_on(k, work, call.unit, y, message.labels)
+
+    def _do_backward_forward(self, call: BackwardForward, work: _Work) -> None:
+        k = call.stage
+        message = work.activations.pop((k, call.forward))
+        received = work.cotangents.pop((k, call.backward))
+        record, stage = work.stages[k].take(call.backward, k)
+        params, rest, opt_state, cotangent, y, kept = self._calls[k].step(
             stage.params,
             stage.rest,
             stage.opt_state,
-            stage.kept[0],
+            record,
             received.value,
-            x,
+            message.value,
             self.specs[k].residual_treedef,
-        )
-        stage = stage.replace(params=params, rest=rest, opt_state=opt_state).drop_oldest()
-        return y, stage.keep(record, batch), self._cotangent_for(k, received.batch, cotangent)
-
-    def _backward_update(self, k: int, stage: StageState, received: Message):
-        self._check_record(k, stage, received)
-        params, opt_state, cotangent = self._calls[k]["backward_update"](
-            stage.params,
-            stage.rest,
-            stage.opt_state,
-            stage.kept[0],
-            received.value,
-            self.specs[k].residual_treedef,
-        )
-        stage = stage.replace(params=params, opt_state=opt_state).drop_oldest()
-        return stage, self._cotangent_for(k, received.batch, cotangent)
-
-    def _cotangent_for(self, k: int, batch: int, cotangent) -> Message | None:
-        """The message stage k sends stage k-1 with its input cotangent (none from stage 0
-        and from stages that train on their own loss)."""
-        return None if cotangent is None else Message(batch, self._move(cotangent, k, k - 1))
-
-    @staticmethod
-    def _check_record(k: int, stage: StageState, received: Message) -> None:
-        if not stage.kept_batches or stage.kept_batches[0] != received.batch:
-            raise AssertionError(
-                f"stage {k} holds batches {stage.kept_batches} but received the cotangent of "
-                f"batch {received.batch}; the pipeline state is corrupt"
-            )
-
-    def _loss_step(self, stage: StageState, x, labels, batch: int, finite):
-        """The last stage: loss, backward and update in one dispatch."""
-        k = self.num_stages - 1
-        params, opt_state, rest, cotangent, metrics, finite = self._calls[k]["loss_step"](
-            stage.params, stage.rest, stage.opt_state, x, labels, finite
+            call.update_first,
         )
         stage = stage.replace(params=params, rest=rest, opt_state=opt_state)
-        return stage, self._cotangent_for(k, batch, cotangent), finite, {**metrics, "batch": batch}
+        work.stages[k] = stage.keep(kept, call.forward)
+        self._send_back(k, work, call.backward, cotangent)
+        self._send_on(k, work, call.forward, y, message.labels)
 
-    def _step_bp(self, state, x, labels):
-        t, last = state.step, self.num_stages - 1
-        stages = list(state.stages)
-        for k in range(last):
-            y, stages[k] = self._forward(k, stages[k], x, t)
-            x = self._move(y, k, k + 1)
-        stages[last], sent, finite, metrics = self._loss_step(
-            stages[last], x, self._move(labels, 0, last), t, state.finite
-        )
-        for k in reversed(range(last)):
-            stages[k], sent = self._backward_update(k, stages[k], sent)
-        return state.replace(step=t + 1, stages=tuple(stages), finite=finite), metrics
-
-    def _step_staged(self, state, x, labels):
-        """DDG, FR, FDG and DGL: each stage takes the batch that reaches it, applies the
-        gradient it is due (one call) and passes its output on: in the same step under
-        DDG and FR, in the next one under FDG and DGL (the forward is unlocked)."""
-        t, last, unlocked = state.step, self.num_stages - 1, self.method in ("fdg", "dgl")
-        stages = list(state.stages)
-        activations, cotangents = [None] * self.num_stages, [None] * self.num_stages
-        message, metrics, finite = Message(t, x, labels), {}, state.finite
-        for k in range(self.num_stages):
-            if unlocked and k > 0:
-                message = state.activations[k]
-            if message is None:  # the pipeline is still filling up to stage k
-                break
-            if k == last:
-                stages[k], sent, finite, metrics = self._loss_step(
-                    stages[k], message.value, message.labels, message.batch, finite
-                )
-            else:
-                y, stages[k], sent = self._advance(k, stages[k], state.cotangents[k], message)
-            if k > 0:
-                cotangents[k - 1] = sent
-            if k < last:
-                message = Message(message.batch, *self._move((y, message.labels), k, k + 1))
-                if unlocked:
-                    activations[k + 1] = message
-        return state.replace(
-            step=t + 1,
-            stages=tuple(stages),
-            activations=tuple(activations),
-            cotangents=tuple(cotangents),
-            finite=finite,
-        ), metrics
-
-    def _advance(self, k: int, stage: StageState, received: Message | None, message: Message):
-        """Stage k's one call on `message`'s batch: forward only while it has no gradient
-        due, else backward, update and forward; DGL: its own head's loss step."""
-        if self.method == "dgl":
-            params, opt_state, rest, y, _ = self._calls[k]["aux_step"](
-                stage.params, stage.rest, stage.opt_state, message.value, message.labels
+    def _do_backward(self, call: Backward, work: _Work) -> None:
+        k, treedef = call.stage, self.specs[call.stage].residual_treedef
+        received = work.cotangents.pop((k, call.unit))
+        record, stage = work.stages[k].take(call.unit, k)
+        if call.apply:
+            params, opt_state, cotangent = self._calls[k].backward_update(
+                stage.params, stage.rest, stage.opt_state, record, received.value, treedef
             )
-            return y, stage.replace(params=params, opt_state=opt_state, rest=rest), None
-        if received is None:
-            return (*self._forward(k, stage, message.value, message.batch), None)
-        return self._backward_and_forward(k, stage, received, message.value, message.batch)
+            stage = stage.replace(params=params, opt_state=opt_state)
+        else:
+            work.gradients[k], cotangent = self._calls[k].backward_sum(
+                stage.params, stage.rest, record, received.value, work.gradients.get(k), treedef
+            )
+        work.stages[k] = stage
+        self._send_back(k, work, call.unit, cotangent)
+
+    def _do_loss(self, call: Loss, work: _Work) -> None:
+        k, stage = call.stage, work.stages[call.stage]
+        message = work.activations.pop((k, call.unit))
+        if call.apply:
+            params, opt_state, rest, cotangent, metrics, work.finite = self._calls[k].loss_step(
+                stage.params,
+                stage.rest,
+                stage.opt_state,
+                message.value,
+                message.labels,
+                work.finite,
+            )
+            work.stages[k] = stage.replace(params=params, rest=rest, opt_state=opt_state)
+            work.loss_of, work.metric_sum, work.loss_count = call.unit, metrics, 1
+        else:
+            params = stage.previous if call.previous else stage.params
+            work.gradients[k], rest, cotangent, work.metric_sum, work.finite = self._calls[
+                k
+            ].loss_sum(
+                params,
+                stage.rest,
+                message.value,
+                message.labels,
+                work.gradients.get(k),
+                work.metric_sum,
+                work.finite,
+            )
+            work.stages[k] = stage.replace(rest=rest)
+            work.loss_of, work.loss_count = call.unit[0], work.loss_count + 1
+        self._send_back(k, work, call.unit, cotangent)
+
+    def _do_local_loss(self, call: LocalLoss, work: _Work) -> None:
+        k, stage = call.stage, work.stages[call.stage]
+        message = work.activations.pop((k, call.unit))
+        params, opt_state, rest, y, _ = self._calls[k].aux_step(
+            stage.params, stage.rest, stage.opt_state, message.value, message.labels
+        )
+        work.stages[k] = stage.replace(params=params, opt_state=opt_state, rest=rest)
+        self._send_on(k, work, call.unit, y, message.labels)
+
+    def _do_apply(self, call: Apply, work: _Work) -> None:
+        k, stage = call.stage, work.stages[call.stage]
+        stale = stage.previous if call.keep_previous else None
+        params, opt_state = self._calls[k].apply_sum(
+            stage.params, stage.opt_state, work.gradients.pop(k), call.count, stale
+        )
+        previous = stage.params if call.keep_previous else stage.previous
+        work.stages[k] = stage.replace(params=params, opt_state=opt_state, previous=previous)
+
+    def _do_fused(self, call: Fused, work: _Work) -> None:
+        message = work.activations.pop((0, call.unit))
+        stages = work.stages
+        params, rests, opt_states, metrics, work.finite = self._fused(
+            [s.params for s in stages],
+            [s.rest for s in stages],
+            [s.opt_state for s in stages],
+            message.value,
+            message.labels,
+            work.finite,
+        )
+        work.stages = [StageState(p, r, o) for p, r, o in zip(params, rests, opt_states)]
+        work.loss_of, work.metric_sum, work.loss_count = call.unit, metrics, 1
 
     def _fused_step(self, params, rests, opt_states, x, labels, finite):
         def loss(params):
@@ -435,22 +546,6 @@ class Pipeline:
         )
         finite = finite & jnp.isfinite(value)
         return list(new_params), new_rests, list(new_opt_states), metrics, finite
-
-    def _step_fused(self, state, x, labels):
-        stages = state.stages
-        params, rests, opt_states, metrics, finite = self._calls[0]["fused_step"](
-            [s.params for s in stages],
-            [s.rest for s in stages],
-            [s.opt_state for s in stages],
-            x,
-            labels,
-            state.finite,
-        )
-        stages = tuple(StageState(p, r, o) for p, r, o in zip(params, rests, opt_states))
-        return (
-            state.replace(step=state.step + 1, stages=stages, finite=finite),
-            {**metrics, "batch": state.step},
-        )
 
     def probe(self, state: PipelineState, batch) -> dict[int, dict[str, jax.Array]]:
         """How stale the gradients are that the next `step(state, batch)` applies.
@@ -496,7 +591,7 @@ class Pipeline:
         """
         x = self.placement.put_batch(inputs, 0)
         for k, stage in enumerate(state.stages):
-            x = self._calls[k]["predict"](stage.params, stage.rest, self._move(x, max(k - 1, 0), k))
+            x = self._calls[k].predict(stage.params, stage.rest, self._move(x, max(k - 1, 0), k))
         return x
 
     def _evaluation_sums_fn(self, outputs, labels, mask):
@@ -604,13 +699,18 @@ class Pipeline:
         )
 
 
-def _check_aux_heads(stages) -> None:
+def _check_aux_heads(stages, schedule: Schedule) -> None:
     from dgrad.models.aux import AuxStage
 
-    missing = [k for k, stage in enumerate(stages[:-1]) if not isinstance(stage, AuxStage)]
+    missing = [
+        k
+        for k, stage in enumerate(stages)
+        if schedule.trains_locally(k) and not isinstance(stage, AuxStage)
+    ]
     if missing:
         raise ValueError(
-            f"method=dgl trains every stage but the last on its own auxiliary head, but stage(s) "
+            f"method={schedule.method} trains every stage but the last on its own auxiliary "
+            f"head, but stage(s) "
             f"{missing} have none; add them with dgrad.models.with_aux_heads(stages, "
             "num_classes, example_input) or wrap a stage as dgrad.models.AuxStage(stage, head)."
         )

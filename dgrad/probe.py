@@ -54,24 +54,30 @@ class Probe:
         {0: {'cosine': Array(1., dtype=float32), 'relative_difference': Array(0., ...), ...}}
         """
         pipe = self.pipe
-        t, last, move = state.step, pipe.num_stages - 1, pipe.placement.move
+        t, move = state.step, pipe.placement.move
         known = {m.batch: (m.value, m.labels) for m in state.recent}
         known[t] = pipe.placement.put_batch(tuple(batch), 0)
         params = [move(s.params, k, 0) for k, s in enumerate(state.stages)]
         rests = [move(s.rest, k, 0) for k, s in enumerate(state.stages)]
         fresh_of, results = {}, {}
+        if pipe.schedule.keeps_previous_weights:  # 2BW: every gradient at the version before
+            previous = [move(s.previous, k, 0) for k, s in enumerate(state.stages)]
+            at_previous = self._fresh_gradients(previous, rests, *known[t])
         for k in range(pipe.num_stages):
             b = pipe.schedule.backward_batch(k, t)
             if b is None or b not in known:
                 continue
             if b not in fresh_of:
                 fresh_of[b] = self._fresh_gradients(params, rests, *known[b])
-            applied, drift = self._applied_gradient(k, state, known, b)
+            if pipe.schedule.keeps_previous_weights:
+                applied, drift = move(at_previous[k], 0, k), state.stages[k].previous
+            else:
+                applied, drift = self._applied_gradient(k, state, known, b)
             fresh = fresh_of[b][k]
             if applied is None:
                 applied = move(fresh, 0, k)
             now = state.stages[k].params
-            if pipe.method == "dgl" and k < last:  # the head is not part of the model
+            if pipe.schedule.trains_locally(k):  # the head is not part of the model
                 applied, fresh, drift, now = (tree["body"] for tree in (applied, fresh, drift, now))
             results[k] = self._compare(
                 move(applied, k, 0), fresh, move(now, k, 0), move(drift, k, 0)
@@ -83,23 +89,23 @@ class Probe:
         current weights of every stage: the fresh gradient itself), and the weights of its
         batch's forward (NaN where the stage does not keep them)."""
         pipe = self.pipe
-        stage, last, fns = state.stages[k], pipe.num_stages - 1, pipe.stages[k]
-        if pipe.method == "dgl" and k < last:
+        stage, last, calls = state.stages[k], pipe.num_stages - 1, pipe.stages[k].calls
+        if pipe.schedule.trains_locally(k):
             if k == 0:
                 x, labels = pipe.placement.move(known[batch], 0, k)
             else:
                 x, labels = state.activations[k].value, state.activations[k].labels
-            return fns.aux_gradient(stage.params, stage.rest, x, labels), stage.params
+            return calls.aux_gradient(stage.params, stage.rest, x, labels), stage.params
         if k == last:
             message = state.activations[k]
             if message is None:  # its input is this step's forward at the current weights
                 return None, stage.params
-            grads = fns.loss_gradient(stage.params, stage.rest, message.value, message.labels)
+            grads = calls.loss_gradient(stage.params, stage.rest, message.value, message.labels)
             return grads, stage.params
-        if not stage.kept_batches or stage.kept_batches[0] != batch:  # bp: this step's forward
+        if batch not in stage.kept_batches:  # this step's forward at the current weights
             return None, stage.params
-        record, received = stage.kept[0], state.cotangents[k]
-        grads = fns.gradient(
+        record, received = stage.take(batch, k)[0], state.cotangents[k]
+        grads = calls.gradient(
             record, stage.params, stage.rest, received.value, pipe.specs[k].residual_treedef
         )
         forward_weights = getattr(record, "params", None)

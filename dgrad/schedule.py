@@ -1,9 +1,10 @@
 """Who forwards and who back-propagates which batch, at which iteration.
 
 The training methods of dgrad differ in their timetable (and DGL in its
-objective). This module states the timetable as plain integer arithmetic; the
-engine's message passing, the single-device reference and the tests all answer
-to it.
+objective). This module states each timetable twice, as plain integer
+arithmetic (which batch a stage forwards and back-propagates in iteration t)
+and as the ordered list of work (`Schedule.work`) that the engine's one step
+loop carries out; the single-device reference and the tests answer to both.
 
 Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 
@@ -18,6 +19,13 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 |        | replays on current weights  |                  |               | inputs K-1-k old |
 | dgl    | forward, own head's loss,   | b_{t-k}          | b_{t-k}       | 0                |
 |        | backward, update            |                  |               |                  |
+| gpipe  | M microbatches forward, M   | b_t              | b_t           | 0                |
+|        | backward, one update        |                  |               |                  |
+| 1f1b   | as gpipe, one forward and   | b_t              | b_t           | 0                |
+|        | one backward in turn        |                  |               |                  |
+| pipedream | as ddg (weight stashing) | b_t              | b_{t-(K-1-k)} | K-1-k            |
+| 2bw    | as gpipe at the weights of  | b_t              | b_t           | 1                |
+|        | one version before          |                  |               |                  |
 
 - DDG: the cotangent stage k uses at t was made by stage k+1 at t-1; the last
   stage back-propagates its own fresh loss.
@@ -40,6 +48,16 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
   gradients and updates once every M iterations, so a gradient is still
   2(K-1-k) iterations old when applied but only about (2(K-1-k)-1)/M updates
   old (rounded up or down by where its batch falls in the window of M).
+- GPipe and 1F1B-flush split b_t into M equal microbatches (rows m*B/M to
+  (m+1)*B/M), sum each stage's gradients over them and update once, with their
+  mean, when the last backward is done (the flush): the same numbers, in a
+  different order. GPipe forwards all M, then back-propagates them in reverse;
+  1F1B does K-1-k forwards, then one forward and one backward in turn, so
+  stage k keeps at most K-k microbatches' records at once instead of M.
+- PipeDream (asynchronous 1F1B with weight stashing) gives every forward and
+  update the weight versions of DDG with weights=stash: the same timetable.
+- PipeDream-2BW: W^{t+1} = U(W^t, g_t), g_t the gradient of b_t (over its M
+  microbatches) at W^{t-1}, on every stage; a stage keeps two weight versions.
 - Weight staleness counts the updates between a batch's forward and the update
   that applies its gradient, which is what a single-device staleness
   simulation must use.
@@ -55,13 +73,141 @@ batch 3's activation waits for stage 1 and batch 0's cotangent for stage 0:
 
 >>> s.kept_batches(0, 4), s.activation_batch(1, 4), s.cotangent_batch(0, 4)
 ([0, 1, 2, 3], 3, 0)
+
+The work of iteration 4, in the order the engine dispatches it:
+
+>>> for work in s.work(4):
+...     print(work)
+BackwardForward(stage=0, backward=0, forward=4, update_first=True)
+BackwardForward(stage=1, backward=1, forward=3, update_first=True)
+Loss(stage=2, unit=2, apply=True, previous=False)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Union
 
-from dgrad.options import METHODS
+from dgrad.options import METHODS, MICROBATCHED
+
+Unit = Union[int, tuple[int, int]]  # a batch of the stream, or (batch, microbatch)
+
+
+# The work a stage does, one call each. `unit` names what it works on; the
+# engine passes each unit's activation forward and its cotangent backward.
+
+
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """Forward `unit` and keep what its backward needs (with the weights of one version
+    before the current one if `previous`: PipeDream-2BW).
+
+    >>> Schedule("ddg", 2).work(0)[0]  # stage 0 has no gradient due yet: forward only
+    Forward(stage=0, unit=0, previous=False)
+    """
+
+    stage: int
+    unit: Unit
+    previous: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Backward:
+    """Back-propagate `unit` from its kept record and its received cotangent; update at
+    once if `apply`, else add the gradient to the stage's sum for `Apply`.
+
+    >>> Schedule("bp", 2).work(0)[-1]  # staged backprop: stage 0's backward comes last
+    Backward(stage=0, unit=0, apply=True)
+    """
+
+    stage: int
+    unit: Unit
+    apply: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardForward:
+    """Back-propagate `backward` and update, and forward `forward`, in one call; the
+    forward uses the updated weights if `update_first` (FDG), else the old ones (DDG).
+
+    >>> Schedule("fdg", 2).work(2)[0]
+    BackwardForward(stage=0, backward=0, forward=2, update_first=True)
+    """
+
+    stage: int
+    backward: Unit
+    forward: Unit
+    update_first: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+    """The last stage: forward `unit`, its loss and backward; update at once if `apply`,
+    else add the gradient to the stage's sum (at the previous weights if `previous`).
+
+    >>> Schedule("2bw", 2, microbatches=2).work(0)[2]
+    Loss(stage=1, unit=(0, 0), apply=False, previous=True)
+    """
+
+    stage: int
+    unit: Unit
+    apply: bool = True
+    previous: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLoss:
+    """DGL: forward `unit`, the loss of the stage's own head, backward and update; the
+    output goes on with no gradient path back.
+
+    >>> Schedule("dgl", 2).work(3)
+    (LocalLoss(stage=0, unit=3), Loss(stage=1, unit=2, apply=True, previous=False))
+    """
+
+    stage: int
+    unit: Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class Apply:
+    """Update once with the mean of the `count` gradients summed this iteration (the
+    flush), keeping the weights before it as the previous version if `keep_previous`.
+
+    >>> Schedule("2bw", 2, microbatches=4).work(0)[-1]
+    Apply(stage=0, count=4, keep_previous=True)
+    """
+
+    stage: int
+    count: int
+    keep_previous: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """Fused backprop: the whole model's forward, backward and update as one call.
+
+    >>> Schedule("bp", 3, fused=True).work(5)
+    (Fused(unit=5),)
+    """
+
+    unit: Unit
+
+
+Work = Union[Forward, Backward, BackwardForward, Loss, LocalLoss, Apply, Fused]
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """What a pipeline carries between two iterations: the units whose records each stage
+    keeps (oldest first), and the unit whose activation or cotangent waits for it.
+
+    >>> Schedule("ddg", 3).in_flight(4)
+    InFlight(kept=([2, 3], [3], []), activations=(None, None, None), cotangents=(2, 3, None))
+    """
+
+    kept: tuple[list[Unit], ...]
+    activations: tuple[Unit | None, ...]
+    cotangents: tuple[Unit | None, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,12 +223,26 @@ class Schedule:
 
     method: str
     num_stages: int
+    microbatches: int = 1
+    fused: bool = False
 
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"Unknown method {self.method!r}; choose one of {', '.join(METHODS)}.")
         if self.num_stages < 1:
             raise ValueError(f"num_stages must be at least 1, got {self.num_stages}.")
+        if self.microbatches != 1 and self.method not in MICROBATCHED:
+            raise ValueError(
+                f"method={self.method} has no microbatches; microbatches is for "
+                f"{', '.join(MICROBATCHED)}."
+            )
+
+    @property
+    def _timetable(self) -> str:
+        """The timetable the method runs (PipeDream's is DDG's, FR's is DDG's)."""
+        return {"fr": "ddg", "pipedream": "ddg", "1f1b": "gpipe", "2bw": "gpipe"}.get(
+            self.method, self.method
+        )
 
     @property
     def last(self) -> int:
@@ -97,7 +257,7 @@ class Schedule:
         [2, 1, 0]
         """
         depth = self.last - stage
-        return {"bp": 0, "ddg": depth, "fr": depth, "fdg": 2 * depth, "dgl": 0}[self.method]
+        return {"ddg": depth, "fdg": 2 * depth}.get(self._timetable, 0)
 
     def forward_lag(self, stage: int) -> int:
         """How many iterations after it entered the pipeline `stage` forwards a batch.
@@ -105,7 +265,7 @@ class Schedule:
         >>> [Schedule("fdg", 3).forward_lag(k) for k in range(3)], Schedule("ddg", 3).forward_lag(2)
         ([0, 1, 2], 0)
         """
-        return stage if self.method in ("fdg", "dgl") else 0
+        return stage if self._timetable in ("fdg", "dgl") else 0
 
     def forward_batch(self, stage: int, t: int) -> int | None:
         """Index of the batch `stage` forwards in iteration `t` (None during fill).
@@ -154,6 +314,32 @@ class Schedule:
         """
         return self.method == "fdg" and stage < self.last
 
+    def trains_locally(self, stage: int) -> bool:
+        """DGL stages but the last train on their own head's loss and send no cotangent.
+
+        >>> [Schedule("dgl", 3).trains_locally(k) for k in range(3)]
+        [True, True, False]
+        """
+        return self.method == "dgl" and stage < self.last
+
+    def sends_cotangent(self, stage: int) -> bool:
+        """Whether `stage` sends the cotangent of its input back (all but the first; none
+        under DGL).
+
+        >>> [Schedule("ddg", 3).sends_cotangent(k) for k in range(3)]
+        [False, True, True]
+        """
+        return stage > 0 and self.method != "dgl"
+
+    @property
+    def keeps_previous_weights(self) -> bool:
+        """PipeDream-2BW: every stage keeps the weights of one version before the current.
+
+        >>> Schedule("2bw", 2).keeps_previous_weights, Schedule("gpipe", 2).keeps_previous_weights
+        (True, False)
+        """
+        return self.method == "2bw"
+
     def weight_staleness(self, stage: int) -> int:
         """Updates applied between the forward whose weights a gradient is taken at and the
         update that applies it (FR takes it at the current weights: 0).
@@ -165,6 +351,8 @@ class Schedule:
         """
         if self.method == "fr":
             return 0
+        if self.method == "2bw":
+            return 1
         delay = self.gradient_delay(stage)
         return delay - 1 if self.updates_before_forward(stage) else delay
 
@@ -194,9 +382,168 @@ class Schedule:
         """
         return self.last - stage
 
+    # The work of an iteration, in the order the engine dispatches it.
+
+    def units(self, t: int) -> list[Unit]:
+        """What batch t is cut into: itself, or its microbatches (batch, m).
+
+        >>> Schedule("ddg", 2).units(3), Schedule("1f1b", 2, microbatches=2).units(3)
+        ([3], [(3, 0), (3, 1)])
+        """
+        if self._timetable == "gpipe":
+            return [(t, m) for m in range(self.microbatches)]
+        return [t]
+
+    def work(self, t: int) -> tuple[Work, ...]:
+        """Every call of iteration `t`, in an order where each unit's activation is made
+        before it is used and each stage's calls are in the order the stage runs them.
+
+        >>> [type(w).__name__ for w in Schedule("bp", 2).work(0)]
+        ['Forward', 'Loss', 'Backward']
+        >>> Schedule("ddg", 2).work(1)[0]  # stage 0: forward b_1, then b_0's delayed update
+        BackwardForward(stage=0, backward=0, forward=1, update_first=False)
+        >>> Schedule("gpipe", 2, microbatches=2).work(0)[-2:]
+        (Backward(stage=0, unit=(0, 0), apply=False), Apply(stage=0, count=2, keep_previous=False))
+        """
+        if self.fused:
+            return (Fused(t),)
+        timetable = self._timetable
+        if timetable == "gpipe":
+            return self._microbatch_work(t)
+        if timetable == "bp":
+            return (
+                *(Forward(k, t) for k in range(self.last)),
+                Loss(self.last, t),
+                *(Backward(k, t) for k in reversed(range(self.last))),
+            )
+        work = []
+        for k in range(self.num_stages):
+            forward = self.forward_batch(k, t)
+            if forward is None:  # the pipeline is still filling up to stage k
+                break
+            backward = self.backward_batch(k, t)
+            if k == self.last:
+                work.append(Loss(k, forward))
+            elif self.trains_locally(k):
+                work.append(LocalLoss(k, forward))
+            elif backward is None:
+                work.append(Forward(k, forward))
+            else:
+                work.append(BackwardForward(k, backward, forward, self.updates_before_forward(k)))
+        return tuple(work)
+
+    def stage_work(self, stage: int, t: int) -> list[Work]:
+        """`stage`'s calls of iteration `t` under a microbatched method, in its order.
+
+        >>> [(type(w).__name__, w.unit[1]) for w in Schedule("1f1b", 3, 4).stage_work(0, 0)[:5]]
+        [('Forward', 0), ('Forward', 1), ('Forward', 2), ('Backward', 0), ('Forward', 3)]
+        """
+        M, previous = self.microbatches, self.keeps_previous_weights
+        units = [(t, m) for m in range(M)]
+        if stage == self.last:
+            work = [Loss(stage, u, apply=False, previous=previous) for u in units]
+        else:
+            forwards = [Forward(stage, u, previous) for u in units]
+            backwards = [Backward(stage, u, apply=False) for u in units]
+            if self.method == "gpipe":
+                work = [*forwards, *reversed(backwards)]
+            else:  # 1F1B: K-1-k forwards to fill, then one forward and one backward in turn
+                warmup = min(self.last - stage, M)
+                work = forwards[:warmup]
+                for i in range(M - warmup):
+                    work += [forwards[warmup + i], backwards[i]]
+                work += backwards[M - warmup :]
+        return [*work, Apply(stage, M, keep_previous=previous)]
+
+    def _microbatch_work(self, t: int) -> tuple[Work, ...]:
+        """Every stage's `stage_work`, merged clock tick by clock tick: in each tick every
+        stage does its next call if what it needs is ready."""
+        queues = [self.stage_work(k, t) for k in range(self.num_stages)]
+        made = set()  # ("activation" | "cotangent", stage it waits for, unit)
+        order = []
+        while any(queues):
+            tick = []
+            for k, queue in enumerate(queues):
+                if not queue:
+                    continue
+                work = queue[0]
+                if isinstance(work, (Forward, Loss)) and k > 0:
+                    ready = ("activation", k, work.unit) in made
+                elif isinstance(work, Backward):
+                    ready = ("cotangent", k, work.unit) in made
+                else:
+                    ready = True
+                if ready:
+                    tick.append(queue.pop(0))
+            if not tick:
+                raise AssertionError(f"the {self.method} timetable of iteration {t} deadlocks")
+            for work in tick:
+                if isinstance(work, (Forward, Loss)) and work.stage < self.last:
+                    made.add(("activation", work.stage + 1, work.unit))
+                if isinstance(work, (Backward, Loss)) and work.stage > 0:
+                    made.add(("cotangent", work.stage - 1, work.unit))
+            order += tick
+        return tuple(order)
+
     # What is in flight between iterations t-1 and t (a pipeline state's `step` is t).
 
-    def kept_batches(self, stage: int, t: int) -> list[int]:
+    def in_flight(self, t: int) -> InFlight:
+        """What the work of the iterations before `t` left in flight, found by carrying it
+        out on unit names alone (from far enough back that nothing older survives).
+
+        >>> Schedule("fdg", 2).in_flight(3)
+        InFlight(kept=([1, 2], []), activations=(None, 2), cotangents=(1, None))
+        >>> Schedule("gpipe", 2, microbatches=4).in_flight(3)  # the flush leaves nothing
+        InFlight(kept=([], []), activations=(None, None), cotangents=(None, None))
+        """
+        kept = [[] for _ in range(self.num_stages)]
+        activations, cotangents = {}, {}
+
+        def take(box, key):
+            box.pop(key, None)  # made before the window: not in flight at t
+
+        def send(stage, unit):
+            if stage < self.last:
+                activations[(stage + 1, unit)] = True
+
+        def send_back(stage, unit):
+            if self.sends_cotangent(stage):
+                cotangents[(stage - 1, unit)] = True
+
+        def drop(stage, unit):
+            if unit in kept[stage]:
+                kept[stage].remove(unit)
+
+        for i in range(max(0, t - self.longest_wait() - 1), t):
+            for work in self.work(i):
+                if isinstance(work, Fused):
+                    continue
+                k = work.stage
+                if isinstance(work, (Forward, Loss, LocalLoss, BackwardForward)):
+                    unit = work.forward if isinstance(work, BackwardForward) else work.unit
+                    take(activations, (k, unit))
+                    send(k, unit)
+                    if isinstance(work, Loss):
+                        send_back(k, unit)
+                    elif not isinstance(work, LocalLoss):
+                        kept[k].append(unit)
+                if isinstance(work, (Backward, BackwardForward)):
+                    unit = work.backward if isinstance(work, BackwardForward) else work.unit
+                    take(cotangents, (k, unit))
+                    drop(k, unit)
+                    send_back(k, unit)
+
+        def waiting(box):
+            by_stage = [None] * self.num_stages
+            for k, unit in box:
+                if by_stage[k] is not None:
+                    raise AssertionError(f"two messages wait for stage {k} after iteration {t}")
+                by_stage[k] = unit
+            return tuple(by_stage)
+
+        return InFlight(tuple(kept), waiting(activations), waiting(cotangents))
+
+    def kept_batches(self, stage: int, t: int) -> list[Unit]:
         """Batches whose forward `stage` has run but whose gradient it has not applied yet.
 
         >>> fdg = Schedule("fdg", 3)
@@ -205,23 +552,18 @@ class Schedule:
         >>> Schedule("ddg", 3).kept_batches(0, 4)
         [2, 3]
         """
-        if self.method in ("bp", "dgl") or stage == self.last:
-            return []
-        first = max(0, t - self.forward_lag(stage) - self.gradient_delay(stage))
-        return [b for b in range(first, t) if self.forward_iteration(stage, b) < t]
+        return self.in_flight(t).kept[stage]
 
-    def activation_batch(self, stage: int, t: int) -> int | None:
+    def activation_batch(self, stage: int, t: int) -> Unit | None:
         """The batch whose activation waits for `stage` (FDG: one hop costs one iteration).
 
         >>> [Schedule("fdg", 3).activation_batch(k, 4) for k in range(3)]
         [None, 3, 2]
         >>> Schedule("ddg", 3).activation_batch(1, 4)  # DDG passes activations within an iteration
         """
-        if self.method not in ("fdg", "dgl") or stage == 0 or t == 0:
-            return None
-        return self.forward_batch(stage - 1, t - 1)
+        return self.in_flight(t).activations[stage]
 
-    def cotangent_batch(self, stage: int, t: int) -> int | None:
+    def cotangent_batch(self, stage: int, t: int) -> Unit | None:
         """The batch whose cotangent waits for `stage`, sent by stage + 1 in iteration t-1.
 
         >>> [Schedule("fdg", 3).cotangent_batch(k, 4) for k in range(3)]
@@ -229,6 +571,4 @@ class Schedule:
         >>> [Schedule("ddg", 3).cotangent_batch(k, 4) for k in range(3)]
         [2, 3, None]
         """
-        if self.method in ("bp", "dgl") or stage == self.last or t == 0:
-            return None
-        return self.backward_batch(stage, t)
+        return self.in_flight(t).cotangents[stage]

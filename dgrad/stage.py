@@ -3,15 +3,20 @@
 A stage is any Flax NNX module. `StageFunctions` splits it once into a graph
 definition and its state (`params`: the `nnx.Param`s; `rest`: everything else,
 e.g. BatchNorm statistics), both as plain nested dicts of arrays (`nnx.merge`
-takes them as they are), and jits the few pure functions a pipeline calls:
+takes them as they are), and jits the few pure functions a pipeline calls, its
+`Calls`:
 
 - `forward`: the forward of a new batch, returning what the stage keeps for
   the batch's delayed backward (a `Residuals`, `Inputs` or `StashedInputs`
   record, by memory and weights policy);
 - `step`: backward of an old batch, update, and forward of a new one, in one
-  call (FDG updates before it forwards, DDG after);
+  call (updating before the forward, as FDG does, or after it, as DDG does);
 - `backward_update`: backward and update only (stage-by-stage backprop);
+- `backward_sum`: backward, adding the gradient to a sum (microbatches);
+- `apply_sum`: one update with the mean of a sum of gradients (the flush);
 - `loss_step`: the last stage's loss, backward and update;
+- `loss_sum`: the last stage's loss and backward, adding gradient and metrics
+  to sums (microbatches);
 - `aux_step`: DGL: forward, the loss of the stage's own auxiliary head, backward
   and update (the stage is a `dgrad.models.AuxStage`);
 - `predict`: the forward in evaluation mode;
@@ -27,11 +32,11 @@ cotangents split along the batch.
 >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
 >>> params, rest = fns.params, fns.rest
 >>> opt_state = fns.optimizer.init(params)
->>> y, rest, record = fns.forward(params, rest, opt_state, jnp.ones((4, 3)))
+>>> y, rest, record = fns.calls.forward(params, rest, opt_state, jnp.ones((4, 3)))
 >>> type(record).__name__, y.shape
 ('Residuals', (4, 2))
 >>> treedef = fns.residual_treedef(params, rest, jnp.ones((4, 3)))
->>> params, opt_state, cotangent = fns.backward_update(
+>>> params, opt_state, cotangent = fns.calls.backward_update(
 ...     params, rest, opt_state, record, jnp.ones_like(y), treedef)
 >>> cotangent is None  # the first stage sends no cotangent
 True
@@ -39,7 +44,7 @@ True
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +73,8 @@ class Residuals:
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
-    >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
-    ...                            jnp.ones((4, 3)))
+    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
+    ...                                  jnp.ones((4, 3)))
     >>> type(record).__name__, record.params  # plain SGD reads no stale weights: none kept
     ('Residuals', None)
     """
@@ -87,8 +92,8 @@ class Inputs:
     >>> from dgrad.options import Options
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
     ...                      options=Options(method="fr"))  # weights=current, memory=recompute
-    >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
-    ...                            jnp.ones((4, 3)))
+    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
+    ...                                  jnp.ones((4, 3)))
     >>> type(record).__name__, record.inputs.shape
     ('Inputs', (4, 3))
     """
@@ -105,8 +110,8 @@ class StashedInputs:
     >>> from dgrad.options import Options
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
     ...                      options=Options(memory="recompute"))  # weights=stash
-    >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
-    ...                            jnp.ones((4, 3)))
+    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
+    ...                                  jnp.ones((4, 3)))
     >>> type(record).__name__, record.inputs.shape, sorted(record.params)
     ('StashedInputs', (4, 3), ['bias', 'kernel'])
     """
@@ -117,6 +122,48 @@ class StashedInputs:
 
 
 Record = Residuals | Inputs | StashedInputs
+
+
+class Calls(NamedTuple):
+    """A stage's jitted functions (see the module docstring for what each does).
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> calls = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1)).calls
+    >>> calls._fields[:4]
+    ('forward', 'step', 'backward_update', 'backward_sum')
+    """
+
+    forward: Callable
+    step: Callable
+    backward_update: Callable
+    backward_sum: Callable
+    apply_sum: Callable
+    loss_step: Callable
+    loss_sum: Callable
+    aux_step: Callable
+    predict: Callable
+    gradient: Callable
+    loss_gradient: Callable
+    aux_gradient: Callable
+
+
+# How each function is jitted. A jitted call's outputs never share buffers with its
+# arguments, so the records a stage keeps survive the donation of the state they came from.
+_JIT_OPTIONS = Calls(
+    forward={},
+    step={"donate_argnums": (0, 1, 2), "static_argnums": (6, 7)},
+    backward_update={"donate_argnums": (0, 2), "static_argnums": (5,)},
+    backward_sum={"donate_argnums": (4,), "static_argnums": (5,)},
+    apply_sum={"donate_argnums": (1, 2)},  # the weights before it may be kept (2BW)
+    loss_step={"donate_argnums": (0, 1, 2)},
+    loss_sum={"donate_argnums": (4, 5)},
+    aux_step={"donate_argnums": (0, 1, 2)},
+    predict={},
+    gradient={"static_argnums": (4,)},
+    loss_gradient={},
+    aux_gradient={},
+)
 
 
 def shape_dtype(a) -> jax.ShapeDtypeStruct:
@@ -211,49 +258,28 @@ class StageFunctions:
                 "(delay compensation) has no one set of them to read; use accumulate=1 with it."
             )
         self.keeps_forward_weights = options.probe_every is not None or reads_stale
-        # A jitted call's outputs never share buffers with its arguments, so the
-        # records a stage keeps survive the donation of the state they came from.
-        self._jit_options = {
-            "forward": {},
-            "step": {"donate_argnums": (0, 1, 2), "static_argnums": (6,)},
-            "backward_update": {"donate_argnums": (0, 2), "static_argnums": (5,)},
-            "loss_step": {"donate_argnums": (0, 1, 2)},
-            "aux_step": {"donate_argnums": (0, 1, 2)},
-            "predict": {},
-            "gradient": {"static_argnums": (4,)},
-            "loss_gradient": {},
-            "aux_gradient": {},
-        }
-        for name, options_ in self._jit_options.items():
-            setattr(self, name, jax.jit(getattr(self, f"_{name}"), **options_))
+        self.calls = Calls(
+            *(jax.jit(fn, **jit) for fn, jit in zip(self._pure_functions(), _JIT_OPTIONS))
+        )
 
-    def jitted(self) -> dict[str, Any]:
-        """The jitted functions by name.
+    def _pure_functions(self) -> Calls:
+        return Calls(*(getattr(self, f"_{name}") for name in Calls._fields))
 
-        >>> import optax
-        >>> from flax import nnx
-        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
-        >>> sorted(fns.jitted())[:5]
-        ['aux_gradient', 'aux_step', 'backward_update', 'forward', 'gradient']
-        >>> fns.jitted()["forward"] is fns.forward
-        True
-        """
-        return {name: getattr(self, name) for name in self._jit_options}
-
-    def undonated(self) -> dict[str, Any]:
+    def undonated(self) -> Calls:
         """The same functions jitted without buffer donation (for watching their inputs).
 
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
-        >>> predict = fns.undonated()["predict"]
-        >>> predict(fns.params, fns.rest, jnp.ones((4, 3))).shape
+        >>> fns.undonated().predict(fns.params, fns.rest, jnp.ones((4, 3))).shape
         (4, 2)
         """
-        return {
-            name: jax.jit(getattr(self, f"_{name}"), static_argnums=options.get("static_argnums"))
-            for name, options in self._jit_options.items()
-        }
+        return Calls(
+            *(
+                jax.jit(fn, static_argnums=jit.get("static_argnums"))
+                for fn, jit in zip(self._pure_functions(), _JIT_OPTIONS)
+            )
+        )
 
     def residual_treedef(self, params, rest, x):
         """The structure of the VJP whose leaves `forward` keeps (for shapes `x` of the input).
@@ -265,7 +291,8 @@ class StageFunctions:
         >>> from flax import nnx
         >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
         >>> x = jnp.ones((4, 3))
-        >>> _, _, record = fns.forward(fns.params, fns.rest, fns.optimizer.init(fns.params), x)
+        >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
+        ...                                  x)
         >>> treedef = fns.residual_treedef(fns.params, fns.rest, x)
         >>> treedef.num_leaves == len(record.residuals)  # the VJP rebuilt from the kept leaves
         True
@@ -392,9 +419,25 @@ class StageFunctions:
         params, opt_state = self.apply_optimizer(params, opt_state, grads, self._stale(record))
         return params, opt_state, input_cotangent
 
-    def _step(self, params, rest, opt_state, record, cotangent, x, treedef=None):
-        """Backward + update of `record`'s batch and forward of `x`, in the method's order."""
-        if self.options.method == "fdg":
+    def _backward_sum(self, params, rest, record, cotangent, grad_sum, treedef=None):
+        """Back-propagates `record`'s batch; returns `grad_sum` plus its parameter gradient
+        (the gradient alone where `grad_sum` is None) and the input cotangent."""
+        grads, input_cotangent = self._backward(record, params, rest, cotangent, treedef)
+        if grad_sum is not None:
+            grads = jax.tree.map(jnp.add, grad_sum, grads)
+        return _constrain(grads, self.replicated), input_cotangent
+
+    def _apply_sum(self, params, opt_state, grad_sum, count, stale_params=None):
+        """One update with the mean of the `count` gradients in `grad_sum`."""
+        grads = jax.tree.map(lambda g: g / count, grad_sum)
+        return self.apply_optimizer(params, opt_state, grads, stale_params)
+
+    def _step(
+        self, params, rest, opt_state, record, cotangent, x, treedef=None, update_first=False
+    ):
+        """Backward + update of `record`'s batch and forward of `x`, the update first if
+        `update_first` (FDG), else the forward first (DDG)."""
+        if update_first:
             params, opt_state, input_cotangent = self._backward_update(
                 params, rest, opt_state, record, cotangent, treedef
             )
@@ -432,6 +475,23 @@ class StageFunctions:
         return (
             params,
             opt_state,
+            _constrain(rest, self.replicated),
+            _constrain(cotangent, self.sharded),
+            _constrain(metrics, self.replicated),
+            finite,
+        )
+
+    def _loss_sum(self, params, rest, x, labels, grad_sum, metric_sum, finite):
+        """Loss and backward of the last stage, its gradient and metrics added to sums
+        (started where they are None); returns the sums, the new statistics, the input
+        cotangent and `finite` and-ed with whether this loss is finite."""
+        grads, cotangent, rest, metrics = self._loss_and_backward(params, rest, x, labels)
+        if grad_sum is not None:
+            grads = jax.tree.map(jnp.add, grad_sum, grads)
+            metrics = jax.tree.map(jnp.add, metric_sum, metrics)
+        finite = finite & jnp.isfinite(metrics["loss"])
+        return (
+            _constrain(grads, self.replicated),
             _constrain(rest, self.replicated),
             _constrain(cotangent, self.sharded),
             _constrain(metrics, self.replicated),

@@ -18,14 +18,15 @@ import jax.numpy as jnp
 from flax import struct
 
 from dgrad.placement import Placement
-from dgrad.schedule import Schedule
+from dgrad.schedule import Schedule, Unit
 from dgrad.stage import Record, Residuals, StageFunctions
 
 
 @struct.dataclass
 class StageState:
-    """One stage's state: weights, statistics, optimizer state, and the records it keeps
-    (`kept[i]` for the forward of batch `kept_batches[i]`, oldest first).
+    """One stage's state: weights, statistics, optimizer state, the records it keeps
+    (`kept[i]` for the forward of unit `kept_batches[i]`, oldest first), and, where the
+    timetable keeps two weight versions (PipeDream-2BW), the weights of the one before.
 
     >>> import jax, jax.numpy as jnp
     >>> stage = StageState(params={"w": jnp.ones(2)}, rest={}, opt_state=())
@@ -37,7 +38,8 @@ class StageState:
     rest: Any
     opt_state: Any
     kept: tuple[Record, ...] = ()
-    kept_batches: tuple[int, ...] = struct.field(pytree_node=False, default=())
+    kept_batches: tuple[Unit, ...] = struct.field(pytree_node=False, default=())
+    previous: Any = None
 
     def keep(self, record: Record, batch: int) -> StageState:
         """This state with `record`, of the forward of `batch`, kept as the newest.
@@ -50,17 +52,28 @@ class StageState:
         """
         return self.replace(kept=self.kept + (record,), kept_batches=self.kept_batches + (batch,))
 
-    def drop_oldest(self) -> StageState:
-        """This state without its oldest record (once that batch's backward has run).
+    def take(self, unit: Unit, stage: int = 0) -> tuple[Record, StageState]:
+        """The record of `unit`'s forward, and this state without it (for its backward);
+        `stage` only names the stage if the record is missing.
 
         >>> import jax.numpy as jnp
         >>> from dgrad.stage import Inputs
         >>> stage = StageState(params={"w": jnp.ones(2)}, rest={}, opt_state=())
         >>> stage = stage.keep(Inputs(jnp.ones(3)), 5).keep(Inputs(jnp.zeros(3)), 6)
-        >>> stage.drop_oldest().kept_batches, stage.drop_oldest().kept[0].inputs
-        ((6,), Array([0., 0., 0.], dtype=float32))
+        >>> record, rest = stage.take(6)
+        >>> record.inputs, rest.kept_batches
+        (Array([0., 0., 0.], dtype=float32), (5,))
         """
-        return self.replace(kept=self.kept[1:], kept_batches=self.kept_batches[1:])
+        if unit not in self.kept_batches:
+            raise AssertionError(
+                f"stage {stage} holds the records of {self.kept_batches} but is asked to "
+                f"back-propagate {unit}; the pipeline state is corrupt"
+            )
+        i = self.kept_batches.index(unit)
+        return self.kept[i], self.replace(
+            kept=self.kept[:i] + self.kept[i + 1 :],
+            kept_batches=self.kept_batches[:i] + self.kept_batches[i + 1 :],
+        )
 
 
 @struct.dataclass
@@ -74,7 +87,7 @@ class Message:
     >>> Message(4, jnp.ones(2)).labels  # a cotangent carries no labels
     """
 
-    batch: int = struct.field(pytree_node=False)
+    batch: Unit = struct.field(pytree_node=False)
     value: Any
     labels: Any = None
 
@@ -203,26 +216,28 @@ def structure(
     ((1, 2), (4, 8))
     """
     on, last = _abstract, len(stages) - 1
+    in_flight = schedule.in_flight(step)
     stage_states = []
     for k, (fns, spec) in enumerate(zip(stages, specs)):
         replicated = placement.replicated(k)
         params, rest = on(fns.params, replicated), on(fns.rest, replicated)
         opt_state = on(jax.eval_shape(fns.optimizer.init, fns.params), replicated)
-        stage = StageState(params, rest, opt_state)
-        for batch in schedule.kept_batches(k, step):
-            stage = stage.keep(_record_structure(placement, k, fns, spec, opt_state), batch)
+        previous = params if schedule.keeps_previous_weights else None
+        stage = StageState(params, rest, opt_state, previous=previous)
+        for unit in in_flight.kept[k]:
+            stage = stage.keep(_record_structure(placement, k, fns, spec, opt_state), unit)
         stage_states.append(stage)
     activations, cotangents = [], []
     for k, spec in enumerate(specs):
         sharded = placement.sharded(k)
-        batch = schedule.activation_batch(k, step)
+        unit = in_flight.activations[k]
         activations.append(
             None
-            if batch is None
-            else Message(batch, on(specs[k - 1].outputs, sharded), on(labels, sharded))
+            if unit is None
+            else Message(unit, on(specs[k - 1].outputs, sharded), on(labels, sharded))
         )
-        batch = schedule.cotangent_batch(k, step)
-        cotangents.append(None if batch is None else Message(batch, on(spec.outputs, sharded)))
+        unit = in_flight.cotangents[k]
+        cotangents.append(None if unit is None else Message(unit, on(spec.outputs, sharded)))
     finite = on(jax.ShapeDtypeStruct((), jnp.bool_), placement.replicated(last))
     sharded = placement.sharded(0)
     recent_batches = tuple(

@@ -19,7 +19,7 @@ def make(**kwargs):
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (dict(method="pipedream"), ValueError, "Unknown method 'pipedream'.*bp, ddg, fdg"),
+        (dict(method="hogwild"), ValueError, "Unknown method 'hogwild'.*bp, ddg, fdg"),
         (dict(method="fdg", beta=0.0), ValueError, r"beta must lie in \(0, 1\]"),
         (dict(method="fdg", beta=1.5), ValueError, r"beta must lie in \(0, 1\]"),
         (dict(method="fdg", beta=float("nan")), ValueError, r"beta must lie in \(0, 1\]"),

@@ -226,11 +226,12 @@ def test_each_stage_function_compiles_once(model, method, weights, memory, fused
 
 
 def _compile_counts(pipe):
-    return {
+    counts = {
         (k, name): fn._cache_size()
-        for k, functions in enumerate(pipe._calls)
-        for name, fn in functions.items()
+        for k, calls in enumerate(pipe._calls)
+        for name, fn in zip(calls._fields, calls)
     }
+    return {**counts, (0, "fused_step"): pipe._fused._cache_size()}
 
 
 def test_nonfinite_loss_is_flagged():

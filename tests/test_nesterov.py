@@ -172,7 +172,7 @@ def test_bad_arguments_are_rejected(kwargs, message):
 
 def test_factory_rejects_a_bad_method():
     with pytest.raises(ValueError, match="Unknown method"):
-        optim.async_nesterov_for(1e-3, "pipedream", 4)
+        optim.async_nesterov_for(1e-3, "hogwild", 4)
 
 
 def test_plugs_into_an_fdg_pipeline_per_stage_and_matches_the_reference():
