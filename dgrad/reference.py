@@ -11,7 +11,10 @@ Features Replay (`method="fr"`) is written out as its paper and code state it,
 module by module; the engine runs it as DDG with current weights and
 recomputation, and the tests check the two agree. DGL (`method="dgl"`) is its
 definition: batch by batch, each stage takes a step on its own auxiliary loss
-and hands its output on. Eager and slow, on purpose.
+and hands its output on. GPipe, 1F1B and PipeDream-2BW are backprop over the
+microbatches of each batch, at the current weights or (2BW) at the weights of
+one version before; PipeDream is DDG with stashed weights. Eager and slow, on
+purpose.
 
 >>> import jax.numpy as jnp, optax
 >>> from dgrad import models
@@ -91,8 +94,10 @@ def reference_run(
     weights: str = "stash",
     loss_fn=losses.softmax_cross_entropy,
     predict_lr: float | None = None,
+    microbatches: int = 1,
 ) -> ReferenceRun:
-    """Trains `stages` on `batches` by the definition of `method`.
+    """Trains `stages` on `batches` by the definition of `method` (`microbatches`: the
+    parts gpipe, 1f1b and 2bw cut each batch into).
 
     The optimizer is the user's, without the shrinking transform: here
     shrinking is done to the cotangents instead. With `predict_lr`, a stage
@@ -113,6 +118,12 @@ def reference_run(
         return _features_replay(stages, batches, optimizer, loss_fn)
     if method == "dgl":
         return _greedy(stages, batches, optimizer, loss_fn)
+    if method in ("gpipe", "1f1b", "2bw"):
+        return _microbatched(
+            stages, batches, optimizer, loss_fn, microbatches, one_version_old=method == "2bw"
+        )
+    if method == "pipedream":  # its weight versions are DDG's with stashing
+        method, weights = "ddg", "stash"
     K = len(stages)
     schedule = Schedule(method, K)
     graphs, W, R, opt_history, txs = [], [], [], [], []
@@ -337,6 +348,48 @@ def _greedy(stages, batches, optimizer, loss_fn) -> ReferenceRun:
                 snapshots[k][t] = snapshots[k][t - 1]
     applied = [[t - k if t >= k else None for t in range(T)] for k in range(K)]
     return ReferenceRun(snapshots, m.R, losses, applied)
+
+
+def _microbatched(stages, batches, optimizer, loss_fn, microbatches, one_version_old):
+    """GPipe (and 1F1B-flush, the same numbers) and PipeDream-2BW, batch by batch: cut
+    b_t into M microbatches of consecutive rows; forward each in turn through the whole
+    model (BatchNorm normalises it with its own statistics and moves the running
+    averages once per microbatch, in order) and take its gradient; every stage updates
+    once with the mean of the M gradients. GPipe takes them at the current weights,
+    W^{t+1} = U(W^t, g(W^t)); 2BW at the weights one version before,
+    W^{t+1} = U(W^t, g(W^{t-1})), W^{-1} = W^0."""
+    m, K = _Modules(stages, optimizer, loss_fn), len(stages)
+    before = list(m.W)  # W^{t-1}
+    losses, applied = [], [[] for _ in range(K)]
+
+    def loss(params, rests, x, labels):
+        h, new_rests = x, []
+        for k in range(K):
+            model = m.model(k, params[k], rests[k])
+            h = model(h)
+            new_rests.append(nnx.split(model, nnx.Param, ...)[2])
+        return m.loss_fn(h, labels)[0], new_rests
+
+    for t, (x, labels) in enumerate(batches):
+        at = before if one_version_old else m.W
+        size = len(x) // microbatches
+        total, values = None, []
+        for i in range(microbatches):
+            rows = slice(i * size, (i + 1) * size)
+            (value, m.R), grads = jax.value_and_grad(loss, has_aux=True)(
+                at, m.R, x[rows], labels[rows]
+            )
+            total = grads if total is None else jax.tree.map(lambda a, b: a + b, total, grads)
+            values.append(value)
+        before = list(m.W)
+        for k in range(K):
+            mean = jax.tree.map(lambda g: g / microbatches, total[k])
+            updates, m.opt[k] = m.txs[k].update(mean, m.opt[k], m.W[k], stale_params=at[k])
+            m.W[k] = optax.apply_updates(m.W[k], updates)
+            applied[k].append(t)
+        losses.append(sum(values) / microbatches)
+        m.snapshot()
+    return ReferenceRun(m.history, m.R, losses, applied)
 
 
 def max_relative_error(a, b) -> float:

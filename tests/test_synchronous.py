@@ -1,0 +1,309 @@
+"""Synchronous pipelines (GPipe, 1F1B-flush) and the PipeDream family (PipeDream,
+PipeDream-2BW) against the plain reference, fused backprop and the optax delay
+transform, on one device, on one device per stage and with every stage replicated."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import (
+    SMOOTH_OPTIMIZER,
+    assert_close,
+    assert_matches_reference,
+    batches,
+    build_pipeline,
+    optimizer,
+    params_of,
+    reference_of,
+    run_pipeline,
+)
+
+import dgrad
+from dgrad import optim
+
+SLOW = pytest.mark.slow
+
+
+def layouts(num_stages):
+    """One device; one device per stage; and, where 4 devices allow, 2 replicas per stage."""
+    devices = jax.devices()
+    found = {
+        "one device": dict(devices=devices[:1]),
+        "a device per stage": dict(devices=devices[:num_stages], placement="one_per_device"),
+    }
+    if num_stages <= 2:
+        found["2 replicas per stage"] = dict(
+            devices=devices[: 2 * num_stages], data_parallel=2, placement="one_per_device"
+        )
+    return found
+
+
+def check(model, num_stages, method, microbatches, memory="residuals", names=None):
+    for name, layout in layouts(num_stages).items():
+        if names and name not in names:
+            continue
+        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+        ref = reference_of(
+            model, num_stages, method=method, optimizer=tx, microbatches=microbatches
+        )
+        _, state, history = run_pipeline(
+            model,
+            num_stages,
+            method=method,
+            microbatches=microbatches,
+            memory=memory,
+            optimizer=tx,
+            **layout,
+        )
+        try:
+            assert_matches_reference(state, history, ref)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+
+
+def fast_if(condition):
+    return () if condition else (SLOW,)
+
+
+@pytest.mark.parametrize(
+    "num_stages,microbatches",
+    [
+        pytest.param(K, M, marks=fast_if((K, M) in ((2, 2), (3, 4))))
+        for K in (1, 2, 3, 4)
+        for M in (1, 2, 4)
+    ],
+)
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "2bw"])
+def test_mlp_matches_reference(method, num_stages, microbatches):
+    check("mlp", num_stages, method, microbatches)
+
+
+@pytest.mark.parametrize(
+    "method,memory",
+    [
+        ("gpipe", "recompute"),
+        pytest.param("gpipe", "dots", marks=SLOW),
+        pytest.param("1f1b", "recompute", marks=SLOW),
+        ("2bw", "recompute"),
+    ],
+)
+def test_memory_policies_keep_the_numbers(method, memory):
+    check("mlp", 2, method, 2, memory=memory, names=["a device per stage"])
+
+
+@pytest.mark.parametrize(
+    "method,num_stages,microbatches",
+    [
+        ("gpipe", 2, 2),
+        pytest.param("gpipe", 3, 4, marks=SLOW),
+        pytest.param("1f1b", 2, 4, marks=SLOW),
+        pytest.param("2bw", 2, 2, marks=SLOW),
+        pytest.param("2bw", 3, 2, marks=SLOW),
+    ],
+)
+def test_batchnorm_cnn_normalises_each_microbatch_as_the_reference(
+    method, num_stages, microbatches
+):
+    """BatchNorm with each microbatch's own statistics, the running averages moved once per
+    microbatch in order, whatever the layout (replicas split a microbatch further)."""
+    check("cnn", num_stages, method, microbatches)
+
+
+@pytest.mark.parametrize(
+    "num_stages,microbatches",
+    [pytest.param(K, M, marks=fast_if(K == 3)) for K in (1, 2, 3, 4) for M in (1, 2, 4)],
+)
+def test_gpipe_and_1f1b_equal_fused_backprop_without_batchnorm(num_stages, microbatches):
+    data = batches("mlp", 6)
+    _, fused, _ = run_pipeline(
+        "mlp", num_stages, data=data, method="bp", fused=True, devices=jax.devices()[:1]
+    )
+    for method in ("gpipe", "1f1b"):
+        _, state, history = run_pipeline(
+            "mlp",
+            num_stages,
+            data=data,
+            method=method,
+            microbatches=microbatches,
+            devices=jax.devices()[:num_stages],
+        )
+        assert_close(params_of(state), params_of(fused))
+        assert [m["batch"] for m in history] == list(range(len(data)))
+
+
+def test_one_microbatch_is_staged_backprop_bit_for_bit():
+    data = batches("mlp", 5)
+    runs = [
+        run_pipeline("mlp", 3, data=data, method=method, devices=jax.devices()[:3])[1]
+        for method in ("bp", "gpipe")
+    ]
+    assert_close(params_of(runs[1]), params_of(runs[0]), rtol=0, atol=0)
+
+
+def test_the_comparison_can_fail():
+    """GPipe's per-microbatch BatchNorm is not backprop's, 2BW is not GPipe, and M matters
+    with BatchNorm: the checks above would see each difference."""
+    for model, method, microbatches, other in [
+        ("cnn", "gpipe", 2, dict(method="bp")),
+        ("cnn", "gpipe", 2, dict(method="gpipe", microbatches=4)),
+        ("mlp", "2bw", 2, dict(method="gpipe", microbatches=2)),
+        ("mlp", "gpipe", 2, dict(method="2bw", microbatches=2)),
+    ]:
+        _, state, history = run_pipeline(
+            model, 2, method=method, microbatches=microbatches, devices=jax.devices()[:2]
+        )
+        ref = reference_of(model, 2, method=method, optimizer=optimizer, microbatches=microbatches)
+        assert_matches_reference(state, history, ref)
+        wrong = reference_of(model, 2, optimizer=optimizer, **other)
+        with pytest.raises(AssertionError):
+            assert_matches_reference(state, history, wrong)
+
+
+def _calls_per_stage(method, num_stages, microbatches):
+    """The order of each stage's calls in one step, as the engine dispatched them."""
+    order = []
+    pipe = build_pipeline(
+        "mlp", num_stages, method=method, microbatches=microbatches, devices=jax.devices()[:1]
+    )
+
+    def wrap(k, name, fn):
+        def watched(*args):
+            order.append((k, name))
+            return fn(*args)
+
+        return watched
+
+    view = pipe.observed(wrap)
+    data = batches("mlp", 1)
+    state, _ = view.step(view.init(data[0]), data[0])
+    return order
+
+
+@pytest.mark.parametrize("num_stages,microbatches", [(2, 4), (3, 4), (4, 8), (4, 2)])
+def test_1f1b_keeps_at_most_K_minus_k_records_and_gpipe_M(num_stages, microbatches):
+    for method, bound in [("1f1b", lambda k: num_stages - k), ("gpipe", lambda k: microbatches)]:
+        held, most = [0] * num_stages, [0] * num_stages
+        for k, name in _calls_per_stage(method, num_stages, microbatches):
+            held[k] += {"forward": 1, "backward_sum": -1}.get(name, 0)
+            most[k] = max(most[k], held[k])
+        assert held == [0] * num_stages
+        expected = [min(bound(k), microbatches) for k in range(num_stages - 1)]
+        assert most[:-1] == expected, (method, most)
+
+
+def test_1f1b_alternates_after_its_warm_up():
+    stage0 = [name for k, name in _calls_per_stage("1f1b", 3, 4) if k == 0]
+    assert stage0 == ["forward"] * 3 + ["backward_sum", "forward"] + ["backward_sum"] * 3 + [
+        "apply_sum"
+    ]
+
+
+@pytest.mark.parametrize("num_stages", [2, pytest.param(3, marks=SLOW), 4])
+def test_pipedream_forwards_and_updates_see_its_weight_versions(num_stages):
+    """PipeDream (asynchronous 1F1B, weight stashing): stage k forwards b_i after
+    max(0, i-(K-1-k)) of its updates, and applies b_i's gradient, taken at those weights,
+    as its update number i; measured from the weights each call of the engine receives."""
+    K, steps = num_stages, 3 * num_stages + 2
+    pipe = build_pipeline("mlp", K, method="pipedream", devices=jax.devices()[:1])
+    seen = []  # (stage, call, weights it received, weights it returned)
+
+    def wrap(k, name, fn):
+        def watched(*args):
+            out = fn(*args)
+            seen.append((k, name, jax.device_get(args[0]), jax.device_get(out[0])))
+            return out
+
+        return watched
+
+    view = pipe.observed(wrap)
+    data = batches("mlp", steps)
+    state = view.init(data[0])
+    versions = [[jax.device_get(s.params)] for s in state.stages]
+    for batch in data:
+        state, _ = view.step(state, batch)
+        for k, s in enumerate(state.stages):
+            if not _same(jax.device_get(s.params), versions[k][-1]):
+                versions[k].append(jax.device_get(s.params))
+
+    def version(k, params):
+        (index,) = [i for i, v in enumerate(versions[k]) if _same(v, params)]
+        return index
+
+    forwards = [[] for _ in range(K)]  # the version each forward of b_0, b_1, ... used
+    updates = [[] for _ in range(K)]  # the version each update started from
+    for k, name, received, returned in seen:
+        if name in ("forward", "step"):  # the DDG step forwards before it updates
+            forwards[k].append(version(k, received))
+        if name in ("step", "loss_step"):
+            updates[k].append(version(k, received))
+            assert version(k, returned) == updates[k][-1] + 1
+        if name == "loss_step":
+            forwards[k].append(version(k, received))
+    for k in range(K):
+        lag = K - 1 - k
+        assert forwards[k] == [max(0, i - lag) for i in range(steps)], k
+        assert updates[k] == list(range(steps - lag)), k
+    ddg = reference_of("mlp", K, method="ddg", optimizer=optimizer, weights="stash")
+    assert_close(params_of(state), ddg.params)
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_2bw_is_the_one_step_delay_transform_shifted_by_one_batch():
+    """W^{t+1} = U(W^t, g(b_t; W^{t-1})) is what `dgrad.optim.delay(U, 1)` does to
+    gradients taken at the current weights, one step later: its weights after T+1 steps
+    on b_0..b_T are 2BW's after T steps on b_0..b_{T-1}."""
+    data = batches("mlp", 7)
+    _, state, _ = run_pipeline(
+        "mlp", 3, data=data[:-1], method="2bw", microbatches=2, devices=jax.devices()[:3]
+    )
+    _, delayed, _ = run_pipeline(
+        "mlp",
+        3,
+        data=data,
+        method="bp",
+        fused=True,
+        devices=jax.devices()[:1],
+        optimizer=lambda k: optim.delay(optimizer(k), 1),
+    )
+    assert_close(params_of(state), params_of(delayed))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(method="ddg", microbatches=2), "method=ddg has no microbatches"),
+        (dict(method="gpipe", microbatches=0), "microbatches must be an integer >= 1"),
+        (dict(method="2bw", weights="current", memory="recompute"), "weight stashing"),
+        (dict(method="pipedream", weights="current", memory="recompute"), "weight stashing"),
+        (dict(method="2bw", predict_lr=0.1), "predict_lr is not supported with method=2bw"),
+    ],
+)
+def test_bad_options_name_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        dgrad.Options(**kwargs)
+
+
+def test_a_batch_that_does_not_cut_into_microbatches_is_refused():
+    pipe = build_pipeline("mlp", 2, method="gpipe", microbatches=3)
+    with pytest.raises(ValueError, match="cannot be cut into microbatches=3"):
+        pipe.init(batches("mlp", 1)[0])
+
+
+@pytest.mark.parametrize("method", ["gpipe", "2bw"])
+def test_the_probe_reads_the_same_timetable(method):
+    pipe = build_pipeline(
+        "mlp", 2, method=method, microbatches=2, probe_every=1, devices=jax.devices()[:2]
+    )
+    data = batches("mlp", 3)
+    state = pipe.init(data[0])
+    for batch in data[:2]:
+        state, _ = pipe.step(state, batch)
+    probe = pipe.probe(state, data[2])
+    cosines = [float(probe[k]["cosine"]) for k in range(2)]
+    if method == "gpipe":  # fresh gradients
+        np.testing.assert_allclose(cosines, 1.0, rtol=1e-5)
+    else:  # one version old, on every stage
+        assert all(c < 1 - 1e-6 for c in cosines), cosines
+        assert all(float(probe[k]["weight_drift"]) > 0 for k in range(2))
