@@ -19,6 +19,7 @@ from helpers import (
 )
 
 import dgrad
+from dgrad.options import MICROBATCHED
 from dgrad.train.checkpoint import Checkpointer
 
 STEPS, SAVE_AT = 11, 5
@@ -56,7 +57,12 @@ def restored(tmp_path, pipe, data):
         ("mlp", 3, "ddg", "stash", "recompute"),
         ("mlp", 3, "ddg", "stash", "dots"),
         ("mlp", 2, "bp", "stash", "residuals"),
+        ("mlp", 3, "gpipe", "stash", "residuals"),
+        ("mlp", 3, "1f1b", "stash", "recompute"),
+        ("mlp", 3, "pipedream", "stash", "residuals"),
+        ("mlp", 3, "2bw", "stash", "residuals"),
         pytest.param("cnn", 2, "fdg", "stash", "residuals", marks=pytest.mark.slow),
+        pytest.param("cnn", 2, "2bw", "stash", "recompute", marks=pytest.mark.slow),
         pytest.param("cnn", 3, "ddg", "stash", "residuals", marks=pytest.mark.slow),
     ],
 )
@@ -66,11 +72,16 @@ def test_resume_is_bit_identical_on_another_layout(
     options = dict(method=method, weights=weights, memory=memory)
     if method == "fdg":
         options["beta"] = 0.7
+    if method in MICROBATCHED:
+        options["microbatches"] = 2
     data, uninterrupted = saved_and_continued(tmp_path, model, num_stages, **options)
     devices = jax.devices()[:num_stages][::-1]  # a fresh pipeline, stages in reverse order
     fresh = build_pipeline(model, num_stages, devices=devices, **options)
     state = restored(tmp_path, fresh, data)
-    assert any(s.kept for s in state.stages) or method == "bp"
+    synchronous = method in ("bp", "gpipe", "1f1b", "2bw")  # nothing in flight between steps
+    assert any(s.kept for s in state.stages) or synchronous
+    if method == "2bw":
+        assert all(s.previous is not None for s in state.stages)
     for k, stage in enumerate(state.stages):
         assert jax.tree.leaves(stage.params)[0].devices() == {devices[k]}
     assert_equal(run(fresh, state, data[SAVE_AT:]), uninterrupted)
@@ -167,9 +178,15 @@ def test_restores_onto_one_device(tmp_path):
 
 def test_the_timetable_predicts_the_state_at_every_step():
     """What a checkpoint restores into (`state_structure`) is the live state's structure."""
-    for method, memory in [("fdg", "residuals"), ("ddg", "recompute"), ("bp", "dots")]:
+    for method, memory, microbatches in [
+        ("fdg", "residuals", None),
+        ("ddg", "recompute", None),
+        ("bp", "dots", None),
+        ("2bw", "residuals", 2),
+        ("1f1b", "recompute", 4),
+    ]:
         data = batches("mlp", 9)
-        pipe = build_pipeline("mlp", 3, method=method, memory=memory)
+        pipe = build_pipeline("mlp", 3, method=method, memory=memory, microbatches=microbatches)
         state = pipe.init(data[0])
         for t, batch in enumerate(data):
             expected = pipe.state_structure(t)

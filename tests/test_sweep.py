@@ -50,6 +50,21 @@ def test_invalid_combinations_are_skipped_with_the_reason():
     assert any("needs memory=recompute" in s for s in skipped)
 
 
+def test_a_grid_over_methods_and_microbatches_skips_the_methods_that_have_none():
+    runs, skipped = expand(fields.base(), parse_grid("method=ddg,gpipe,1f1b microbatches=1,4"))
+    assert [r.describe() for r in runs] == [
+        "method=ddg microbatches=1",
+        "method=gpipe microbatches=1",
+        "method=gpipe microbatches=4",
+        "method=1f1b microbatches=1",
+        "method=1f1b microbatches=4",
+    ]
+    assert skipped == [
+        "method=ddg microbatches=4: microbatches=4: method=ddg has no microbatches (only "
+        "gpipe, 1f1b, 2bw do); leave it unset."
+    ]
+
+
 @pytest.mark.parametrize(
     "grid, message",
     [

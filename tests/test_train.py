@@ -61,9 +61,21 @@ def _stop_at_call(monkeypatch, call):
     return lambda: monkeypatch.setattr(dgrad.Pipeline, "step", original)
 
 
-@pytest.mark.parametrize("method", ["fdg", pytest.param("ddg", marks=pytest.mark.slow)])
-def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(tmp_path, monkeypatch, method):
-    config = small_config(method=method, num_stages=3)
+@pytest.mark.parametrize(
+    "method, microbatches",
+    [
+        ("fdg", None),
+        pytest.param("ddg", None, marks=pytest.mark.slow),
+        ("gpipe", 4),
+        pytest.param("1f1b", 2, marks=pytest.mark.slow),
+        pytest.param("pipedream", None, marks=pytest.mark.slow),
+        ("2bw", 2),
+    ],
+)
+def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(
+    tmp_path, monkeypatch, method, microbatches
+):
+    config = small_config(method=method, num_stages=3, microbatches=microbatches)
     train(config, tmp_path / "whole", devices=jax.devices()[:3], log=quiet)
 
     restore = _stop_at_call(monkeypatch, 13)
@@ -71,7 +83,8 @@ def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(tmp_path, monk
         train(config, tmp_path / "cut", devices=jax.devices()[:3], log=quiet)
     restore()
     assert stopped.value.checkpoint_step == 13 and stopped.value.signal_number == signal.SIGTERM
-    run = f"{method}_k3"
+    run = f"{method}_k3" + (f"_m{microbatches}" if microbatches else "")
+    title = f"{method.upper()} K=3" + (f" M={microbatches}" if microbatches else "")
     assert sorted(os.listdir(tmp_path / "cut" / run / "checkpoints")) == ["10", "13"]
     lines = []
     train(config, tmp_path / "cut", devices=jax.devices()[::-1], log=lines.append)
@@ -81,9 +94,7 @@ def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(tmp_path, monk
     lines = []  # once more: finished, nothing is built or trained
     again = train(config, tmp_path / "cut", log=lines.append)
     assert lines == [f"{tmp_path / 'cut'} finished earlier: nothing left to train."]
-    assert again[f"{method.upper()} K=3"] == records(tmp_path / "cut", run)[-1] | {
-        "seconds": again[f"{method.upper()} K=3"]["seconds"]
-    }
+    assert again[title] == records(tmp_path / "cut", run)[-1] | {"seconds": again[title]["seconds"]}
     dataset = data.load(config.dataset)
     stages = build.build_stages(config, config.num_stages, dataset)
     whole = nnx.state(export.load(stages, tmp_path / "whole" / run / "model"))
@@ -336,6 +347,7 @@ def test_the_family_trains_from_a_config(tmp_path, overrides):
         ("optimizer.decay", -3.0, "use a positive factor"),
         ("optimizer.weight_decay", float("nan"), "use 0 or more"),
         ("steps_per_epoch", 100, "more than the 22 batches of 64 in digits's training split"),
+        ("microbatches", 4, "method=fdg has no microbatches"),
     ],
 )
 def test_bad_config_values_name_the_field(tmp_path, field, value, message):

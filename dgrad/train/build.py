@@ -254,6 +254,7 @@ def build_pipeline(
         data_parallel=config.data_parallel,
         accumulate=accumulate,
         probe_every=None if baseline else config.probe_every,
+        microbatches=None if baseline else config.microbatches,
         devices=devices,
         placement="spread" if run.fused else config.placement,
     )

@@ -97,6 +97,7 @@ FIELDS = (
     _option("memory", kind=str),
     _option("data_parallel", resumable=True),
     _option("accumulate"),
+    _option("microbatches", kind=int),
     _option("probe_every", kind=int),
     Field(
         "placement",
@@ -195,8 +196,11 @@ def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
     >>> [run.label for run in runs_of(config)]
     ['fdg_k2', 'bp_fused']
     """
-    k = config.num_stages
-    runs = [Run(f"{config.method}_k{k}", f"{config.method.upper()} K={k}", config.method, k, False)]
+    k, m = config.num_stages, config.microbatches
+    label, title = f"{config.method}_k{k}", f"{config.method.upper()} K={k}"
+    if m not in (None, 1):
+        label, title = f"{label}_m{m}", f"{title} M={m}"
+    runs = [Run(label, title, config.method, k, False)]
     if config.baseline == "bp":
         runs.append(Run("bp_fused", "BP (fused)", "bp", 1, True))
     return runs
@@ -401,9 +405,13 @@ def check(config: ml_collections.ConfigDict) -> None:
             data_parallel=config.data_parallel,
             accumulate=config.accumulate,
             probe_every=config.probe_every,
+            microbatches=config.microbatches,
         )
     except ValueError as error:
         raise ValueError(f"config: {error}") from None
+    parts = values["microbatches"] or 1
+    if values["batch_size"] % parts:
+        _fail("batch_size", values["batch_size"], f"use a multiple of microbatches={parts}")
 
 
 def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
