@@ -201,6 +201,35 @@ def state_bytes_per_device(state) -> dict[int, int]:
     return dict(sorted(totals.items()))
 
 
+def records_bytes_at_peak(pipe) -> dict[int, int]:
+    """Bytes of the records each device's stages hold at the busiest moment of a step
+    (`Schedule.most_kept` times one record's size, a replicated stage's replicas
+    together, counted on its first device): what a method keeps for its backwards,
+    which GPipe grows with M and 1F1B bounds by K.
+
+    >>> import jax.numpy as jnp, optax
+    >>> import dgrad
+    >>> from dgrad import models
+    >>> batch = (jnp.ones((8, 6)), jnp.zeros((8,), jnp.int32))
+    >>> def peak(method):
+    ...     pipe = dgrad.Pipeline(models.mlp([6, 16, 16, 3], num_stages=3), method=method,
+    ...                           microbatches=4, optimizer=optax.sgd(0.1))
+    ...     pipe.init(batch)
+    ...     return records_bytes_at_peak(pipe)[0]
+    >>> peak("gpipe") > peak("1f1b")  # all 4 microbatches against at most K - k = 3
+    True
+    """
+    t = pipe.schedule.longest_wait() + len(pipe.schedule.units(0)) + 1  # well past the fill
+    totals = {}
+    for k, spec in enumerate(pipe.specs):
+        if spec.record is None:
+            continue
+        one = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(spec.record))
+        device = pipe.placement.groups[k][0].id
+        totals[device] = totals.get(device, 0) + one * pipe.schedule.most_kept(k, t)
+    return dict(sorted(totals.items()))
+
+
 def peak_memory(devices) -> dict[int, float]:
     """Peak bytes in use per device where the backend reports it (GPUs do, CPUs do not).
 

@@ -543,6 +543,29 @@ class Schedule:
 
         return InFlight(tuple(kept), waiting(activations), waiting(cotangents))
 
+    def most_kept(self, stage: int, t: int) -> int:
+        """The most records `stage` holds at once during iteration `t` (a call that
+        back-propagates one unit and forwards another holds both).
+
+        >>> [Schedule("gpipe", 3, microbatches=8).most_kept(k, 0) for k in range(3)]
+        [8, 8, 0]
+        >>> [Schedule("1f1b", 3, microbatches=8).most_kept(k, 0) for k in range(3)]
+        [3, 2, 0]
+        >>> [Schedule("fdg", 3).most_kept(k, 9) for k in range(3)]  # 2(K-1-k) in flight, + 1
+        [5, 3, 0]
+        """
+        held = len(self.in_flight(t).kept[stage])
+        most = held
+        for work in self.work(t):
+            if getattr(work, "stage", None) != stage:
+                continue
+            if isinstance(work, (Forward, BackwardForward)):
+                most = max(most, held + 1)
+                held += isinstance(work, Forward)
+            elif isinstance(work, Backward):
+                held -= 1
+        return most
+
     def kept_batches(self, stage: int, t: int) -> list[Unit]:
         """Batches whose forward `stage` has run but whose gradient it has not applied yet.
 

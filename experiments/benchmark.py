@@ -1,5 +1,5 @@
-"""Side-by-side training throughput: plain JAX, fused BP, staged BP, DDG and FDG, with
-K stages x D replicas.
+"""Side-by-side training throughput: plain JAX, fused BP, staged BP, DDG, FDG and the
+synchronous pipelines (GPipe, 1F1B) and PipeDream-2BW, with K stages x D replicas.
 
 Every configuration is built and warmed up (compiled, pipeline filled) first; then
 the timed windows go round-robin over the configurations, so each round compares
@@ -13,6 +13,12 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
     python -m experiments.benchmark --policies               # FDG's memory policies too
     python -m experiments.benchmark --allocator default      # glibc's own malloc thresholds
     python -m experiments.benchmark --processes 2            # FDG K=2, a process per stage
+    python -m experiments.benchmark --model mlp --stages 2,4 --methods gpipe,1f1b,ddg,fdg,2bw
+
+GPipe, 1F1B and 2BW run with each of `--microbatches` (default 4, 8); their rows give
+each device's measured idle fraction beside the ideal bubble (K-1)/(M+K-1), and every
+row the records a stage holds at the busiest moment of a step (GPipe: M microbatches,
+1F1B: at most K).
 
 Without an accelerator the stages run on fake CPU devices (one per stage and
 replica), which share the machine's cores; on GPUs it uses the real devices.
@@ -30,7 +36,8 @@ import sys
 
 from dgrad.train.cli import OneLineParser
 
-METHODS = ("ddg", "fdg", "fr", "dgl")
+METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
+MICROBATCHED = ("gpipe", "1f1b", "2bw")
 MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10")
 
 
@@ -54,7 +61,10 @@ def parse_args(argv=None):
         "--policies", action="store_true", help="also FDG's other memory and weight policies"
     )
     parser.add_argument(
-        "--methods", default="ddg,fdg", help="pipelined methods to time: ddg, fdg, fr, dgl"
+        "--methods", default="ddg,fdg", help=f"pipelined methods to time: {', '.join(METHODS)}"
+    )
+    parser.add_argument(
+        "--microbatches", default="4,8", help="M values for gpipe, 1f1b and 2bw (default 4,8)"
     )
     parser.add_argument(
         "--timeline", metavar="DIR", help="write a Gantt chart and Perfetto trace of each case"
@@ -94,6 +104,7 @@ def parse_args(argv=None):
 
     args.stages = numbers(args.stages, "stages") if args.stages else None
     args.data_parallel = numbers(args.data_parallel, "data-parallel")
+    args.microbatches = numbers(args.microbatches, "microbatches")
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
@@ -103,13 +114,28 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.processes is not None and args.processes < 2:
         parser.error("--processes needs 2 or more (one stage per process)")
-    uneven = [d for d in args.data_parallel if args.batch_size % d]
+    uneven = [
+        d * m
+        for d in args.data_parallel
+        for m in (args.microbatches if set(args.methods) & set(MICROBATCHED) else [1])
+        if args.batch_size % (d * m)
+    ]
     if uneven:
         parser.error(
-            f"--batch-size {args.batch_size} does not split between {uneven[0]} replicas "
-            "(--data-parallel); use a multiple of each D"
+            f"--batch-size {args.batch_size} does not split into {uneven[0]} parts (replicas "
+            "x microbatches); use a multiple of each D x M"
         )
     return args
+
+
+def _bubble(case) -> str:
+    """GPipe's and 1F1B's measured idle % per device, beside the ideal (K-1)/(M+K-1)."""
+    pipe = case.pipe
+    if pipe is None or pipe.method not in ("gpipe", "1f1b") or not case.device_busy:
+        return "-"
+    k, m = pipe.num_stages, pipe.options.microbatches
+    idle = " ".join(f"{100 * (1 - b):.0f}" for b in case.device_busy.values())
+    return f"{idle} [{100 * (k - 1) / (m + k - 1):.0f}]"
 
 
 def blocks_of(args):
@@ -267,11 +293,13 @@ def main(argv=None):
             chain.authors,
             model=args.model,
         )
-        for k in ks
+        for k in sorted({1, *ks})  # K = 1: the plain JAX floor and fused BP
     }
     print(
         "# predicted ceiling (sum of stage costs / slowest stage): "
-        + ", ".join(f"K={k}: {balance.speedup_ceiling(costs, c):.2f}x" for k, c in split.items())
+        + ", ".join(
+            f"K={k}: {balance.speedup_ceiling(costs, c):.2f}x" for k, c in split.items() if k > 1
+        )
     )
 
     def stages(k):  # fresh modules for every configuration
@@ -300,7 +328,11 @@ def main(argv=None):
             if k > 1:
                 add("bp staged", k, method="bp", data_parallel=d)
             for method in args.methods:
-                add(method, k, method=method, data_parallel=d)
+                if method in MICROBATCHED:
+                    for m in args.microbatches:
+                        add(f"{method} M={m}", k, method=method, microbatches=m, data_parallel=d)
+                else:
+                    add(method, k, method=method, data_parallel=d)
     if args.policies:
         top = max(ks)
         for name, options in [
@@ -337,7 +369,8 @@ def main(argv=None):
     baseline = next(c for c in cases if c.name == "bp fused")
     columns = (
         "| configuration | K | D | samples/s median [min-max] | x fused BP [min-max] | "
-        "host CPU ms/step | cores busy | device busy % | state MiB per device |"
+        "host CPU ms/step | cores busy | device busy % | idle % [ideal bubble] | "
+        "state MiB per device | records MiB at peak |"
     )
     print()
     print(columns)
@@ -345,14 +378,17 @@ def main(argv=None):
     for case in cases:
         rates = np.array(case.rates)
         memory = bench.state_bytes_per_device(case.state)
+        records = bench.records_bytes_at_peak(case.pipe) if case.pipe is not None else {}
         print(
             f"| {case.name} | {case.num_stages} | {case.data_parallel} | "
             f"{np.median(rates):.1f} [{rates.min():.1f}-{rates.max():.1f}] | "
             f"{bench.summary(bench.ratios(case, baseline))} | "
             f"{bench.median(case.host_ms):.2f} | {bench.median(case.cores_busy):.2f} | "
             + (" ".join(f"{100 * b:.0f}" for b in case.device_busy.values()) or "-")
-            + " | "
+            + f" | {_bubble(case)} | "
             + " ".join(f"{b / 2**20:.1f}" for b in memory.values())
+            + " | "
+            + (" ".join(f"{b / 2**20:.1f}" for b in records.values()) or "-")
             + " |"
         )
     peaks = bench.peak_memory(devices)
