@@ -114,16 +114,14 @@ def parse_args(argv=None):
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.processes is not None and args.processes < 2:
         parser.error("--processes needs 2 or more (one stage per process)")
-    uneven = [
-        d * m
-        for d in args.data_parallel
-        for m in (args.microbatches if set(args.methods) & set(MICROBATCHED) else [1])
-        if args.batch_size % (d * m)
-    ]
+    parts = args.microbatches if set(args.methods) & set(MICROBATCHED) else [1]
+    uneven = [(d, m) for d in args.data_parallel for m in parts if args.batch_size % (d * m)]
     if uneven:
+        d, m = uneven[0]
         parser.error(
-            f"--batch-size {args.batch_size} does not split into {uneven[0]} parts (replicas "
-            "x microbatches); use a multiple of each D x M"
+            f"--batch-size {args.batch_size} does not split between {d} replicas"
+            + (f" x {m} microbatches" if m > 1 else "")
+            + " (--data-parallel, --microbatches); use a multiple of each D x M"
         )
     return args
 
