@@ -283,7 +283,8 @@ def _as_saved(stored, saved):
         path = _path(keys)
         owner[path] = target_of(path)
         if owner[path] is None and _is_stashed_weight(path):
-            dropped[path] = target_of(("stages", path[1], "params", *path[5:]))
+            _, stage, _, _, _, *weight = path  # stages/<k>/kept/<i>/params/<weight...>
+            dropped[path] = target_of(("stages", stage, "params", *weight))
         if owner[path] is None and dropped.get(path) is None:
             return stored, lambda restored: restored  # orbax names what differs
     missing = set(wanted) - set(owner.values())
@@ -308,5 +309,15 @@ def _as_saved(stored, saved):
 
 
 def _is_stashed_weight(path) -> bool:
-    """Whether `path` is inside the weights a stage's kept record stashed."""
-    return len(path) > 5 and path[0] == "stages" and path[2] == "kept" and path[4] == "params"
+    """Whether `path` is inside the weights a stage's kept record stashed
+    (`stages/<k>/kept/<i>/params/...`).
+
+    >>> _is_stashed_weight(("stages", "0", "kept", "1", "params", "layers", "kernel"))
+    True
+    >>> _is_stashed_weight(("stages", "0", "params", "layers", "kernel"))
+    False
+    """
+    match path:
+        case ("stages", _stage, "kept", _record, "params", _, *_):
+            return True
+    return False
