@@ -148,24 +148,6 @@ def load_config(spec: str):
         raise UsageError(f"--config {error}") from None
 
 
-def apply_overrides(config, overrides: Sequence[str]) -> None:
-    """Sets `--config.<field>=<value>` overrides on `config`.
-
-    >>> config, _ = load_config("experiments/configs/default.py")
-    >>> apply_overrides(config, ["--config.num_stages=4", "--config.model.name=mlp"])
-    >>> config.num_stages, config.model.name
-    (4, 'mlp')
-    """
-    for override in overrides:
-        name, equals, text = override[len("--config.") :].partition("=")
-        if not equals:
-            raise UsageError(f"{override}: give a value, as in --config.{name}=VALUE")
-        try:
-            fields.set_field(config, name, fields.parse_value(name, text))
-        except ValueError as error:
-            raise UsageError(f"--config.{error}") from None
-
-
 def parse(argv: Sequence[str], default_config: str | None = None):
     """The parsed flags, and the config with its overrides applied.
 
@@ -187,7 +169,10 @@ def parse(argv: Sequence[str], default_config: str | None = None):
     if args.cpu_devices is not None and args.cpu_devices < 1:
         raise UsageError(f"--cpu_devices {args.cpu_devices}: give 1 or more fake CPU devices")
     config, name = load_config(args.config)
-    apply_overrides(config, overrides)
+    try:
+        fields.apply_overrides(config, overrides)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     return args, config, name
 
 

@@ -312,6 +312,29 @@ def set_field(config: ml_collections.ConfigDict, name: str, value) -> None:
     node[leaf] = value
 
 
+def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
+    """Sets `--config.<field>=<value>` overrides on `config` (what the command line and
+    a sweep's `--config.` flags both do; ValueError names the flag and the fix).
+
+    >>> config = base()
+    >>> apply_overrides(config, ["--config.num_stages=4", "--config.model.name=mlp"])
+    >>> config.num_stages, config.model.name
+    (4, 'mlp')
+    >>> apply_overrides(config, ["--config.num_stages"])
+    Traceback (most recent call last):
+    ...
+    ValueError: --config.num_stages: give a value, as in --config.num_stages=VALUE
+    """
+    for override in overrides:
+        name, equals, text = override.removeprefix("--config.").partition("=")
+        if not equals:
+            raise ValueError(f"{override}: give a value, as in --config.{name}=VALUE")
+        try:
+            set_field(config, name, parse_value(name, text))
+        except ValueError as error:
+            raise ValueError(f"--config.{error}") from None
+
+
 def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
     """Fields by dotted name.
 

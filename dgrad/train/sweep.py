@@ -189,9 +189,7 @@ class Sweep:
         self.config_spec, self.grid, self.overrides = config_spec, grid, list(overrides)
         self.workdir = os.path.abspath(os.fspath(workdir))
         base, self.config_name = fields.load(config_spec)
-        for override in self.overrides:
-            name, _, text = override.removeprefix("--config.").partition("=")
-            fields.set_field(base, name, fields.parse_value(name, text))
+        fields.apply_overrides(base, self.overrides)
         self.base = base
         self.runs, self.skipped = expand(base, grid)
 
