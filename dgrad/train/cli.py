@@ -58,24 +58,32 @@ class OneLineParser(argparse.ArgumentParser):
     2 error: argument --steps: invalid int value: 'two' (--help lists the flags)
     """
 
+    def __init__(self, *args, raises: type[Exception] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.raises = raises
+
     def error(self, message):
-        """Prints `error: <message>` on stderr and exits with status 2.
+        """Prints `error: <message>` on stderr and exits with status 2, or raises the
+        parser's `raises` exception with that line (for callers that print it themselves).
 
         >>> OneLineParser(prog="x").error("--steps takes a number")
         Traceback (most recent call last):
         ...
         SystemExit: 2
+        >>> OneLineParser(prog="x", raises=UsageError).error("--steps takes a number")
+        Traceback (most recent call last):
+        ...
+        dgrad.train.cli.UsageError: --steps takes a number (--help lists the flags)
         """
-        self.exit(2, f"error: {message} (--help lists the flags)\n")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message} (--help lists the flags)")
+        line = f"{message} (--help lists the flags)"
+        if self.raises is not None:
+            raise self.raises(line)
+        self.exit(2, f"error: {line}\n")
 
 
 def _parser(default_config: str | None = None) -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
+        raises=UsageError,
         prog="python -m experiments.train",
         description="Train a stage-split model with BP, DDG or FDG from an experiment config.",
         add_help=False,

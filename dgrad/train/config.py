@@ -170,6 +170,9 @@ FIELD_NAMES = tuple(f.name for f in FIELDS)
 RESUMABLE_FIELDS = tuple(f.name for f in FIELDS if f.resumable)
 
 
+BASELINE_LABEL = "bp_fused"  # the directory of the fused-BP baseline run
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     """One training run of an experiment.
@@ -202,7 +205,7 @@ def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
         label, title = f"{label}_m{m}", f"{title} M={m}"
     runs = [Run(label, title, config.method, k, False)]
     if config.baseline == "bp":
-        runs.append(Run("bp_fused", "BP (fused)", "bp", 1, True))
+        runs.append(Run(BASELINE_LABEL, "BP (fused)", "bp", 1, True))
     return runs
 
 

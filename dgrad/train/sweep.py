@@ -92,10 +92,10 @@ def parse_grid(text: str) -> dict[str, list[Any]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
+class Combination:
     """One combination of the grid.
 
-    >>> run = Run((("method", "fdg"), ("num_stages", 4)))
+    >>> run = Combination((("method", "fdg"), ("num_stages", 4)))
     >>> run.name  # its directory under runs/
     'method-fdg_num_stages-4'
     """
@@ -111,7 +111,7 @@ class Run:
     def describe(self) -> str:
         """The settings as `field=value` words, for logs and notes.
 
-        >>> Run((("method", "fdg"), ("model.hidden", (64, 64)))).describe()
+        >>> Combination((("method", "fdg"), ("model.hidden", (64, 64)))).describe()
         'method=fdg model.hidden=64/64'
         """
         return " ".join(f"{k}={_text(v)}" for k, v in self.settings)
@@ -119,7 +119,7 @@ class Run:
     def overrides(self) -> list[str]:
         """The settings as the training command's `--config.<field>=<value>` arguments.
 
-        >>> Run((("method", "fdg"), ("model.hidden", (64, 64)))).overrides()
+        >>> Combination((("method", "fdg"), ("model.hidden", (64, 64)))).overrides()
         ['--config.method=fdg', '--config.model.hidden=64,64']
         """
 
@@ -129,7 +129,7 @@ class Run:
         return [f"--config.{k}={text(v)}" for k, v in self.settings]
 
 
-def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
+def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Combination], list[str]]:
     """The runs of every valid combination, and a note for each combination skipped
     (SweepError if a value fits none: a typo, or a field the grid must also vary).
 
@@ -145,7 +145,7 @@ def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Run], list[str]]:
     runs, refused, fitting = [], [], set()
     reasons: dict[tuple[str, int], str] = {}  # (field, index of its value) -> first refusal
     for positions in itertools.product(*(range(len(grid[n])) for n in names)):
-        run = Run(tuple((n, grid[n][i]) for n, i in zip(names, positions)))
+        run = Combination(tuple((n, grid[n][i]) for n, i in zip(names, positions)))
         config = base.copy_and_resolve_references()
         for name, value in run.settings:
             fields.set_field(config, name, value)
@@ -237,7 +237,7 @@ class Sweep:
         with open(path, "w") as f:
             json.dump(self.identity(), f, indent=2)
 
-    def run_dir(self, run: Run) -> str:
+    def run_dir(self, run: Combination) -> str:
         """The workdir of `run`'s training command.
 
         >>> import os
@@ -247,7 +247,7 @@ class Sweep:
         """
         return os.path.join(self.workdir, "runs", run.name)
 
-    def command(self, run: Run) -> list[str]:
+    def command(self, run: Combination) -> list[str]:
         """The training command of `run`, as argv.
 
         >>> sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"), "w")
@@ -286,7 +286,7 @@ class Sweep:
         ['failed   method=ddg', 'finished method=fdg', 'started  method=ddg', 'started  method=fdg']
         """
         pending = list(self.runs)
-        running: list[tuple[Run, subprocess.Popen, Any]] = []
+        running: list[tuple[Combination, subprocess.Popen, Any]] = []
         failed, stopped, forwarded = 0, [], 0
         previous = {
             n: signal.signal(n, lambda n, f: stopped.append(n))
@@ -355,7 +355,7 @@ class Sweep:
         for run in self.runs:
             run_dir = self.run_dir(run)
             labels = (
-                [d for d in sorted(os.listdir(run_dir)) if d != "bp_fused"]
+                [d for d in sorted(os.listdir(run_dir)) if d != fields.BASELINE_LABEL]
                 if os.path.isdir(run_dir)
                 else []
             )
