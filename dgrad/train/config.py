@@ -452,21 +452,30 @@ def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(config.to_json())
 
 
-def differences(saved: dict[str, Any], config: ml_collections.ConfigDict) -> list[str]:
-    """The fields (dotted names) where `config` changes the numbers of a run saved with `saved`.
+def differences(
+    saved: dict[str, Any], config: ml_collections.ConfigDict, *, extending: bool = False
+) -> list[str]:
+    """The fields (dotted names) where `config` changes the numbers of a run saved with
+    `saved`; when `extending`, more epochs than were saved is an extension, not a change.
 
     >>> saved = to_json(base())
     >>> config = base()
     >>> config.num_stages, config.log_every_steps = 4, 10
     >>> differences(saved, config)  # log_every_steps only changes how the run is watched
     ['num_stages']
+    >>> config.num_epochs += 10
+    >>> differences(saved, config), differences(saved, config, extending=True)
+    (['num_epochs', 'num_stages'], ['num_stages'])
     """
     old, new = flatten(saved), flatten(to_json(config))
-    return sorted(
+    changed = sorted(
         name
         for name in old.keys() | new.keys()
         if old.get(name) != new.get(name) and name not in RESUMABLE_FIELDS
     )
+    if extending and new["num_epochs"] >= old["num_epochs"] and "num_epochs" in changed:
+        changed.remove("num_epochs")
+    return changed
 
 
 def paper(

@@ -213,7 +213,7 @@ def train(
                 except workdir.WorkdirError as error:
                     raise SetupError(str(error)) from error
                 if jax.process_index() == 0:
-                    _plot(plan.path, runs, config, name or os.path.basename(plan.path))
+                    _plot_run_curves(plan.path, runs, config, name or os.path.basename(plan.path))
             if stop.requested is not None:
                 raise Stopped(stop.requested, "Stopped after the last run had finished and saved.")
         except BaseException:
@@ -232,7 +232,7 @@ def _example_batch(config, dataset):
     return dataset.eval_transform.apply(images, labels, None)
 
 
-def _plot(path: str, runs, config, name: str) -> None:
+def _plot_run_curves(path: str, runs, config, name: str) -> None:
     from dgrad.train import metrics
 
     records = {r.title: metrics.read(os.path.join(path, r.label, "metrics.jsonl")) for r in runs}

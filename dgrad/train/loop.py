@@ -169,9 +169,7 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
             metrics.truncate(path, after_step=0)
         return ctx.initial, Tally()
     extra = checkpoints.extra()
-    changed = fields.differences(extra["config"], config)
-    if "num_epochs" in changed and config.num_epochs >= extra["config"]["num_epochs"]:
-        changed.remove("num_epochs")  # the workdir holds an extension (checked before)
+    changed = fields.differences(extra["config"], config, extending=True)  # checked before
     if changed:
         raise WorkdirError(
             f"The checkpoint in {ctx.run_dir} was written with another configuration (it "

@@ -415,7 +415,9 @@ class Sweep:
         table, groups = _table(rows, list(self.grid))
         with open(paths["md"], "w") as f:
             f.write(table)
-        _plot(groups, list(self.grid), paths["png"], f"{self.config_name}: {self.base.dataset}")
+        _plot_accuracy_against_stages(
+            groups, list(self.grid), paths["png"], f"{self.config_name}: {self.base.dataset}"
+        )
         return paths
 
 
@@ -468,7 +470,7 @@ def _table(rows, names) -> tuple[str, dict]:
     return "\n".join(lines) + "\n" + note, groups
 
 
-def _plot(groups, names, path, title) -> None:
+def _plot_accuracy_against_stages(groups, names, path, title) -> None:
     from matplotlib.figure import Figure
 
     row_fields = [n for n in names if n not in ("seed", "num_stages")]

@@ -111,17 +111,15 @@ def inspect(
         )
     with open(config_path) as f:
         saved = json.load(f)
-    changed = fields.differences(saved, config)
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
-    extends_from = None
     if extend and new["num_epochs"] < old["num_epochs"]:
         raise WorkdirError(
             f"--extend trains a finished experiment for more epochs: give "
             f"--config.num_epochs above the {old['num_epochs']} it was trained for."
         )
-    if extend and "num_epochs" in changed:  # (unchanged: an extension that was stopped resumes)
-        changed.remove("num_epochs")
-        extends_from = old["num_epochs"]
+    # (unchanged epochs under --extend: an extension that was stopped resumes)
+    extends_from = old["num_epochs"] if extend and new["num_epochs"] != old["num_epochs"] else None
+    changed = fields.differences(saved, config, extending=extend)
     if changed:
         differences = ", ".join(
             f"{name} {old.get(name)!r} -> {new.get(name)!r}" for name in changed
