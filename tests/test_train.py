@@ -15,7 +15,7 @@ from helpers import ROOT, assert_equal
 
 import dgrad
 from dgrad import data
-from dgrad.train import SetupError, Stopped, StopRequests, build, export, metrics, train
+from dgrad.train import SetupError, Stopped, StopRequests, build, export, metrics, recipes, train
 from dgrad.train import config as fields
 from dgrad.train.checkpoint import Checkpointer
 from dgrad.train.cli import load_config
@@ -418,11 +418,11 @@ def test_paper_configs_follow_the_authors(path):
     assert config.dataset in ("cifar10", "cifar100")
     assert (config.method, config.beta, config.split) == ("fdg", 1.0, "authors")
     assert (config.batch_size, config.num_epochs) == (128, 300)
-    optimizer = build.resolved_optimizer(config, "fdg")
+    optimizer = recipes.resolved_optimizer(config, "fdg")
     assert optimizer["learning_rate"] == 0.1 and optimizer["momentum"] == 0.9
     assert optimizer["weight_decay"] == 5e-4 and optimizer["boundaries"] == (150, 225, 275)
-    assert build.resolved_optimizer(config, "ddg")["boundaries"] == (150, 225)
-    assert build.resolved_optimizer(config, "ddg")["nesterov"] is True
+    assert recipes.resolved_optimizer(config, "ddg")["boundaries"] == (150, 225)
+    assert recipes.resolved_optimizer(config, "ddg")["nesterov"] is True
     smoke, _ = load_config(path + ":smoke")
     assert (smoke.method, smoke.num_stages, smoke.dataset) == (
         config.method,

@@ -3,6 +3,7 @@
 
 >>> from dgrad.train import config as fields
 >>> config = fields.base()
+>>> from dgrad.train.recipes import resolved_optimizer
 >>> resolved_optimizer(config, "ddg")["nesterov"], resolved_optimizer(config, "fdg")["boundaries"]
 (True, (150, 225, 275))
 """
@@ -10,7 +11,6 @@
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax.numpy as jnp
 import ml_collections
@@ -20,6 +20,7 @@ import optax
 from dgrad import data, models
 from dgrad.pipeline import Pipeline
 from dgrad.train.config import Run
+from dgrad.train.recipes import resolved_optimizer
 
 
 def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
@@ -115,39 +116,6 @@ def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: da
         )
     features = [math.prod(dataset.input_shape), *spec.hidden, classes]
     return models.mlp(features, num_stages, split=config.split, rngs=config.seed)
-
-
-def authors_boundaries(method: str) -> tuple[int, ...]:
-    """Epochs where the papers divide the learning rate by 10 (FDG adds a third decay).
-
-    >>> authors_boundaries("fdg"), authors_boundaries("ddg")
-    ((150, 225, 275), (150, 225))
-    """
-    return (150, 225, 275) if method == "fdg" else (150, 225)
-
-
-def resolved_optimizer(config: ml_collections.ConfigDict, method: str) -> dict[str, Any]:
-    """`config.optimizer` with its unset fields filled by the authors' choice for `method`:
-    decay epochs (`authors_boundaries`), Nesterov momentum (DDG's code used it), and the
-    ADL code's 5-epoch warm-up when gradients accumulate.
-
-    >>> from dgrad.train import config as fields
-    >>> config = fields.base()
-    >>> resolved_optimizer(config, "fdg")
-    {'boundaries': (150, 225, 275), 'decay': 0.1, 'learning_rate': 0.1, 'momentum': 0.9, ...}
-    >>> config.optimizer.nesterov, config.accumulate = False, 2  # a set field stays as set
-    >>> spec = resolved_optimizer(config, "ddg")
-    >>> spec["nesterov"], spec["warmup_epochs"], spec["boundaries"]
-    (False, 5, (150, 225))
-    """
-    spec = config.optimizer.to_dict()
-    if spec["boundaries"] is None:
-        spec["boundaries"] = authors_boundaries(method)
-    if spec["nesterov"] is None:
-        spec["nesterov"] = method == "ddg"
-    if spec["warmup_epochs"] is None:
-        spec["warmup_epochs"] = 5 if config.accumulate > 1 else 0
-    return spec
 
 
 def learning_rate(

@@ -29,6 +29,7 @@ import time
 from typing import Sequence
 
 from dgrad.train import config as fields
+from dgrad.train import config_files
 from dgrad.train.signals import Stopped, StopRequests
 
 
@@ -140,7 +141,7 @@ def help_text() -> str:
 
 
 def load_config(spec: str):
-    """`dgrad.train.config.load`, with its mistakes as `UsageError`s.
+    """`dgrad.train.config_files.load`, with its mistakes as `UsageError`s.
 
     >>> config, name = load_config("experiments/configs/default.py:smoke")
     >>> name, config.method
@@ -151,7 +152,7 @@ def load_config(spec: str):
     dgrad.train.cli.UsageError: --config nope.py: no such file (the configs are in ...)
     """
     try:
-        return fields.load(spec)
+        return config_files.load(spec)
     except (FileNotFoundError, ValueError) as error:
         raise UsageError(f"--config {error}") from None
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from dgrad.distributed import child_options
 from dgrad.train import config as fields
-from dgrad.train import metrics
+from dgrad.train import config_files, metrics
 
 SWEEP_FILE = "sweep.json"
 
@@ -188,7 +188,7 @@ class Sweep:
     def __init__(self, config_spec: str, grid, workdir, overrides: Sequence[str] = ()):
         self.config_spec, self.grid, self.overrides = config_spec, grid, list(overrides)
         self.workdir = os.path.abspath(os.fspath(workdir))
-        base, self.config_name = fields.load(config_spec)
+        base, self.config_name = config_files.load(config_spec)
         fields.apply_overrides(base, self.overrides)
         self.base = base
         self.runs, self.skipped = expand(base, grid)

@@ -11,8 +11,8 @@ without CIFAR).
         --config experiments/configs/cifar100_resnet1202.py --config.method=ddg
 """
 
-from dgrad.train import config as fields
+from dgrad.train import recipes
 
 
 def get_config(variant: str = ""):
-    return fields.paper("cifar100", "cifar_resnet", 1202, num_stages=4, variant=variant)
+    return recipes.paper("cifar100", "cifar_resnet", 1202, num_stages=4, variant=variant)

@@ -11,8 +11,8 @@ without CIFAR).
         --config experiments/configs/cifar100_resnet56.py --config.method=ddg
 """
 
-from dgrad.train import config as fields
+from dgrad.train import recipes
 
 
 def get_config(variant: str = ""):
-    return fields.paper("cifar100", "cifar_resnet", 56, num_stages=2, variant=variant)
+    return recipes.paper("cifar100", "cifar_resnet", 56, num_stages=2, variant=variant)

@@ -14,8 +14,8 @@ without CIFAR).
         --config experiments/configs/cifar10_resnet110.py --config.method=ddg
 """
 
-from dgrad.train import config as fields
+from dgrad.train import recipes
 
 
 def get_config(variant: str = ""):
-    return fields.paper("cifar10", "cifar_resnet", 110, num_stages=2, variant=variant)
+    return recipes.paper("cifar10", "cifar_resnet", 110, num_stages=2, variant=variant)

@@ -14,8 +14,8 @@ without CIFAR).
         --config experiments/configs/cifar10_wrn28_10.py --config.method=ddg
 """
 
-from dgrad.train import config as fields
+from dgrad.train import recipes
 
 
 def get_config(variant: str = ""):
-    return fields.paper("cifar10", "wide_resnet", 28, num_stages=2, widen=10, variant=variant)
+    return recipes.paper("cifar10", "wide_resnet", 28, num_stages=2, widen=10, variant=variant)

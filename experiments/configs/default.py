@@ -5,6 +5,7 @@ python -m experiments.train --config experiments/configs/default.py:smoke
 """
 
 from dgrad.train import config as fields
+from dgrad.train import recipes
 
 
 def get_config(variant: str = ""):
@@ -25,4 +26,4 @@ def get_config(variant: str = ""):
     if variant == "smoke":
         config.num_epochs = 3
         return config
-    return fields.with_variant(config, variant)
+    return recipes.with_variant(config, variant)

@@ -6,6 +6,7 @@ the quick partner of mnist1d.py in the offline sweeps.
 """
 
 from dgrad.train import config as fields
+from dgrad.train import recipes
 
 
 def get_config(variant: str = ""):
@@ -25,4 +26,4 @@ def get_config(variant: str = ""):
     if variant == "smoke":
         config.num_epochs = 3
         return config
-    return fields.with_variant(config, variant)
+    return recipes.with_variant(config, variant)

@@ -10,6 +10,7 @@ training on this project's 2-core CPU).
 """
 
 from dgrad.train import config as fields
+from dgrad.train import recipes
 
 
 def get_config(variant: str = ""):
@@ -30,4 +31,4 @@ def get_config(variant: str = ""):
     if variant == "smoke":
         config.num_epochs = 2
         return config
-    return fields.with_variant(config, variant)
+    return recipes.with_variant(config, variant)
