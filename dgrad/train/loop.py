@@ -14,7 +14,7 @@ import math
 import os
 import signal
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -161,6 +161,99 @@ class RunContext:
         return jax.process_index() == 0
 
 
+class Due(NamedTuple):
+    """What is due after a step: a train-metric record, an evaluation, a checkpoint.
+
+    >>> due_after(10, steps_per_epoch=10, log_every=4, checkpoint_every=0)
+    Due(log=False, evaluate=True, save=True)
+    >>> due_after(8, steps_per_epoch=10, log_every=4, checkpoint_every=0)
+    Due(log=True, evaluate=False, save=False)
+    """
+
+    log: bool
+    evaluate: bool
+    save: bool
+
+
+def due_after(step: int, *, steps_per_epoch: int, log_every: int, checkpoint_every: int) -> Due:
+    """What is due after `step` steps: a log every `log_every`, an evaluation and a
+    checkpoint at each epoch's end, a checkpoint every `checkpoint_every` (0: never).
+
+    >>> due_after(6, steps_per_epoch=10, log_every=50, checkpoint_every=3)
+    Due(log=False, evaluate=False, save=True)
+    """
+    epoch_end = step % steps_per_epoch == 0
+    save = epoch_end or (checkpoint_every > 0 and step % checkpoint_every == 0)
+    return Due(step % log_every == 0, epoch_end, save)
+
+
+class Behind:
+    """The metrics of the last step, read (shared between processes, tallied, probes
+    written) only once the next step is dispatched, so that the host never waits for the
+    step it just dispatched; a log record due at that step is written once they are read.
+
+    >>> class Records(list):
+    ...     write = list.append
+    >>> behind = Behind(Tally(), Records())
+    >>> behind.hold({"loss": 2.0, "batch": 0}, log_at=1)  # step 1's metrics, a log due
+    >>> behind.writer  # nothing read yet
+    []
+    >>> behind.read()  # after step 2 is dispatched
+    2.0
+    >>> behind.writer
+    [{'kind': 'train', 'step': 1, 'loss': 2.0}]
+    """
+
+    def __init__(self, tally: Tally, writer):
+        self.tally, self.writer = tally, writer
+        self.pending, self.log_at = None, None
+
+    def hold(self, step_metrics: dict[str, Any], log_at: int | None = None) -> None:
+        """Holds a step's metrics (device arrays) until `read`; `log_at`: the step whose
+        train record is written once they are read.
+
+        >>> behind = Behind(Tally(), None)
+        >>> behind.hold({})  # FDG while filling: nothing reported
+        >>> behind.read() is None
+        True
+        """
+        self.pending, self.log_at = step_metrics, log_at
+
+    def read(self) -> float | None:
+        """Reads what is held; returns its loss (None if it has none).
+
+        >>> behind = Behind(Tally(), None)
+        >>> behind.hold({"loss": 0.5, "batch": 3})
+        >>> behind.read(), behind.read()  # read once
+        (0.5, None)
+        """
+        loss = None
+        if self.pending is not None:
+            reported = share(self.pending)
+            loss = self.tally.add(reported).get("loss")
+            write_probe(self.writer, reported)
+        if self.log_at is not None:
+            self.write_interval(self.log_at)
+        self.pending, self.log_at = None, None
+        return loss
+
+    def write_interval(self, step: int) -> None:
+        """Writes the mean train metrics since the last record, as the record of `step`.
+
+        >>> class Records(list):
+        ...     write = list.append
+        >>> behind = Behind(Tally(), Records())
+        >>> behind.hold({"loss": 1.0, "batch": 0})
+        >>> _ = behind.read()
+        >>> behind.write_interval(5)
+        >>> behind.writer
+        [{'kind': 'train', 'step': 5, 'loss': 1.0}]
+        """
+        interval = self.tally.take_interval()
+        if interval and self.writer is not None:
+            self.writer.write({"kind": "train", "step": step, **interval})
+
+
 def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
     """The state and tally to continue from: the newest checkpoint's, or a fresh start."""
     if checkpoints.latest_step() is None:
@@ -276,47 +369,31 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
         # that all of them save the same step (`log_every_steps` bounds the wait).
         vote, one_process = StopVote(ctx.run.label), jax.process_count() == 1
         last_loss, epoch_start = None, time.perf_counter()
-
-        def write_interval(step):
-            interval = tally.take_interval()
-            if interval and writer is not None:
-                writer.write({"kind": "train", "step": step, **interval})
-
-        reported = None  # the last step's metrics, read after the next step is dispatched
-        log_step = None  # a log step whose record waits for its metrics, read one step behind
+        behind = Behind(tally, writer)
         with progress:
             for batch in stream.iterate(state.step, total):
                 injected_stall(state.step)
                 state, step_metrics = pipe.step(state, batch)
-                if reported is not None:
-                    reported = share(reported)
-                    last_loss = tally.add(reported).get("loss", last_loss)
-                    write_probe(writer, reported)
-                if log_step is not None:
-                    write_interval(log_step)
-                    log_step = None
-                reported = step_metrics  # shared between processes once the next is dispatched
+                loss = behind.read()  # the step before this one
+                last_loss = last_loss if loss is None else loss
                 step = state.step
                 watchdog.beat(step)
                 progress.update(step, last_loss)
-                epoch_end = step % steps_per_epoch == 0
-                log_due = step % config.log_every_steps == 0
-                save_due = epoch_end or (
-                    config.checkpoint_every_steps > 0 and step % config.checkpoint_every_steps == 0
+                due = due_after(
+                    step,
+                    steps_per_epoch=steps_per_epoch,
+                    log_every=config.log_every_steps,
+                    checkpoint_every=config.checkpoint_every_steps,
                 )
-                due = epoch_end or log_due or save_due
-                stopping = (due or one_process) and vote.any(ctx.stop.requested is not None)
-                if not (epoch_end or save_due or stopping):
-                    log_step = step if log_due else None
+                stopping = (any(due) or one_process) and vote.any(ctx.stop.requested is not None)
+                if not (due.evaluate or due.save or stopping):
+                    behind.hold(step_metrics, log_at=step if due.log else None)
                     continue
-                # Evaluating and saving wait for this step anyway: its metrics are read now.
-                reported = share(reported)
-                tally.add(reported)
-                write_probe(writer, reported)
-                reported = None
-                if log_due or epoch_end:
-                    write_interval(step)
-                if epoch_end:
+                behind.hold(step_metrics)  # evaluating and saving wait for this step anyway
+                behind.read()
+                if due.log or due.evaluate:
+                    behind.write_interval(step)
+                if due.evaluate:
                     pipe.check_finite(state)
                     record = {
                         "kind": "epoch",
@@ -342,7 +419,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                         ctx.log,
                     )
                     epoch_start = time.perf_counter()
-                if save_due or stopping:
+                if due.save or stopping:
                     save()
                 if stopping:
                     if writer is not None:
