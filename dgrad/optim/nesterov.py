@@ -175,8 +175,8 @@ def scale_by_async_nesterov(
     def init_fn(params):
         return AsyncNesterovState(
             count=jnp.zeros([], jnp.int32),
-            mu=jax.tree.map(jnp.zeros_like, params),
-            nu=jax.tree.map(jnp.zeros_like, params),
+            mu=optax.tree.zeros_like(params),
+            nu=optax.tree.zeros_like(params),
             mu_product=jnp.ones([], jnp.float32),
         )
 
@@ -189,8 +189,8 @@ def scale_by_async_nesterov(
         gradient_scale = (1 - mu_now) / (1 - mu_product)
         moment_scale = mu_next / (1 - mu_product * mu_next)
         second_moment_correction = 1 - b2**t
-        mu = jax.tree.map(lambda g, m: momentum * m + (1 - momentum) * g, updates, state.mu)
-        nu = jax.tree.map(lambda g, v: b2 * v + (1 - b2) * g * g, updates, state.nu)
+        mu = optax.tree.update_moment(updates, state.mu, momentum, 1)
+        nu = optax.tree.update_moment_per_elem_norm(updates, state.nu, b2, 2)
 
         def direction(g, m, v):
             numerator = gradient_scale.astype(g.dtype) * g + moment_scale.astype(m.dtype) * m
