@@ -365,28 +365,22 @@ class Pipeline:
             pieces = self._microbatches(inputs, labels)
         work = _Work(list(state.stages), state.finite)
         work.activations = {(0, u): Message(u, *piece) for u, piece in zip(units, pieces)}
-        for k, message in enumerate(state.activations):
-            if message is not None:
-                work.activations[(k, message.batch)] = message
-        for k, message in enumerate(state.cotangents):
-            if message is not None:
-                work.cotangents[(k, message.batch)] = message
+        for waiting, box in [
+            (state.activations, work.activations),
+            (state.cotangents, work.cotangents),
+        ]:
+            box.update({(k, m.batch): m for k, m in enumerate(waiting) if m is not None})
+        carry_out = {
+            Forward: self._do_forward,
+            BackwardForward: self._do_backward_forward,
+            Backward: self._do_backward,
+            Loss: self._do_loss,
+            LocalLoss: self._do_local_loss,
+            Apply: self._do_apply,
+            Fused: self._do_fused,
+        }
         for call in self.schedule.work(t):
-            match call:
-                case Forward():
-                    self._do_forward(call, work)
-                case BackwardForward():
-                    self._do_backward_forward(call, work)
-                case Backward():
-                    self._do_backward(call, work)
-                case Loss():
-                    self._do_loss(call, work)
-                case LocalLoss():
-                    self._do_local_loss(call, work)
-                case Apply():
-                    self._do_apply(call, work)
-                case Fused():
-                    self._do_fused(call, work)
+            carry_out[type(call)](call, work)
         return state.replace(
             step=t + 1,
             stages=tuple(work.stages),

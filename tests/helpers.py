@@ -76,6 +76,22 @@ def reference(model, num_stages, method, weights="stash", beta=1.0, optimizer=op
     )
 
 
+def layouts(num_stages: int, replicas: int | None = None) -> dict[str, dict]:
+    """The device layouts the reference tests run on: one device; one device per stage;
+    and, where the 4 devices allow, `replicas` per stage (default 4 // K)."""
+    devices = jax.devices()
+    found = {
+        "one device": dict(devices=devices[:1]),
+        "a device per stage": dict(devices=devices[:num_stages], placement="one_per_device"),
+    }
+    if num_stages <= 2:
+        replicas = replicas or len(devices) // num_stages
+        found[f"{replicas} replicas per stage"] = dict(
+            devices=devices[: replicas * num_stages], data_parallel=replicas
+        )
+    return found
+
+
 def build_pipeline(model: str, num_stages: int, **kwargs) -> dgrad.Pipeline:
     """The one way the tests make a pipeline: a test model, the test optimizer, `kwargs`."""
     return dgrad.Pipeline(build_stages(model, num_stages), **{"optimizer": optimizer, **kwargs})

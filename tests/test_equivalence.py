@@ -6,6 +6,7 @@ import pytest
 from helpers import (
     SMOOTH_OPTIMIZER,
     assert_matches_reference,
+    layouts,
     num_steps,
     optimizer,
     reference,
@@ -27,19 +28,6 @@ COMBOS = [
 ]
 MLP_ONLY = [("fdg", "stash", "residuals", 1.0), ("fdg", "current", "recompute", 1.0)]
 FAST_CNN = [("ddg", "stash", "residuals", 1.0)]
-
-
-def layouts(num_stages):
-    """One device; one device per stage; and, where 4 devices allow, D = 4 // K replicas."""
-    devices = jax.devices()
-    found = {
-        "one device": dict(devices=devices[:1]),
-        "a device per stage": dict(devices=devices[:num_stages], placement="one_per_device"),
-    }
-    if num_stages <= 2:
-        replicas = len(devices) // num_stages
-        found[f"{replicas} replicas per stage"] = dict(devices=devices, data_parallel=replicas)
-    return found
 
 
 def check(model, num_stages, method, weights, memory, beta, names=None):

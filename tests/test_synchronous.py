@@ -11,6 +11,7 @@ from helpers import (
     assert_matches_reference,
     batches,
     build_pipeline,
+    layouts,
     optimizer,
     params_of,
     reference_of,
@@ -23,22 +24,8 @@ from dgrad import optim
 SLOW = pytest.mark.slow
 
 
-def layouts(num_stages):
-    """One device; one device per stage; and, where 4 devices allow, 2 replicas per stage."""
-    devices = jax.devices()
-    found = {
-        "one device": dict(devices=devices[:1]),
-        "a device per stage": dict(devices=devices[:num_stages], placement="one_per_device"),
-    }
-    if num_stages <= 2:
-        found["2 replicas per stage"] = dict(
-            devices=devices[: 2 * num_stages], data_parallel=2, placement="one_per_device"
-        )
-    return found
-
-
 def check(model, num_stages, method, microbatches, memory="residuals", names=None):
-    for name, layout in layouts(num_stages).items():
+    for name, layout in layouts(num_stages, replicas=2).items():
         if names and name not in names:
             continue
         tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
