@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pathlib
+import signal
 import statistics
 import sys
 import tempfile
@@ -28,6 +29,16 @@ from dgrad.distributed import launch_local
 from dgrad.train.watchdog import STALLED
 
 TIMED_OUT = 124  # launch_local's status for a run past its deadline
+SIGNALLED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the stress itself was asked to stop
+
+
+class StressStopped(Exception):
+    """The stress was interrupted (Ctrl-C or SIGTERM, forwarded to the run in progress):
+    `outcomes` holds the runs done before, `status` the run's exit status."""
+
+    def __init__(self, outcomes, status: int):
+        super().__init__(f"stopped by a signal (status {status})")
+        self.outcomes, self.status = outcomes, status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +160,8 @@ def stress(
 ) -> list[Outcome]:
     """Every layout with every method, `runs` times (or `runs[layout.name]` times); what
     did not finish is described on `report` with the last lines it printed, and its whole
-    output is kept in the folder `logs` when one is given.
+    output is kept in the folder `logs` when one is given. A Ctrl-C or SIGTERM (which
+    `launch_local` forwards to the run in progress) stops the stress: `StressStopped`.
 
     >>> logs = pathlib.Path(tempfile.mkdtemp())
     >>> [o.statuses for o in stress([LAYOUTS[2]], ["fdg"], 1, 1.0, logs=logs)]  # past 1 s
@@ -164,6 +176,8 @@ def stress(
             outcome = Outcome(layout.name, method)
             for attempt in range(count):
                 status, seconds, output = run_once(layout, method, deadline_s, extra)
+                if status in SIGNALLED:  # not the run's doing: the signal was forwarded to it
+                    raise StressStopped(outcomes + [outcome] * bool(outcome.statuses), status)
                 outcome.statuses.append(status)
                 outcome.seconds.append(seconds)
                 if status != 0 and logs is not None:

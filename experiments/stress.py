@@ -40,9 +40,14 @@ def main(argv=None) -> int:
     if not methods:
         parser.error("--methods names none")
     layouts = [layout for layout in stress.LAYOUTS if layout.name in chosen]
-    outcomes = stress.stress(
-        layouts, methods, args.runs, args.deadline, report=sys.stdout, logs=args.logs
-    )
+    try:
+        outcomes = stress.stress(
+            layouts, methods, args.runs, args.deadline, report=sys.stdout, logs=args.logs
+        )
+    except stress.StressStopped as stopped:
+        print(stress.table(stopped.outcomes))
+        print("Stopped by a signal during a run; the table holds the runs before it.")
+        return stopped.status
     print(stress.table(outcomes))
     return 0 if all(o.finished == len(o.statuses) for o in outcomes) else 1
 

@@ -40,15 +40,27 @@ def build_stages(model: str, num_stages: int):
         return models.cifar_resnet(
             8, NUM_CLASSES, num_stages, width=4, in_channels=1, split="balanced", rngs=1
         )
+    if model == "gpt":  # 3 blocks of dim 8, 2 heads; the chain embedding, blocks, head
+        return models.gpt(VOCAB, 3, 2, 8, CONTEXT, num_stages, split="balanced", rngs=1)
     raise ValueError(model)
 
 
+VOCAB, CONTEXT = 11, 6  # the test GPT's tokens and window
+
+
 def input_shape(model: str):
-    return (BATCH, 6) if model == "mlp" else (BATCH, 8, 8, 1)
+    return {"mlp": (BATCH, 6), "gpt": (BATCH, CONTEXT)}.get(model, (BATCH, 8, 8, 1))
 
 
 def batches(model: str, count: int, seed: int = 0):
+    """`count` batches of random inputs and labels; the GPT's are token windows whose
+    labels are the next tokens."""
     rng = np.random.default_rng(seed)
+    if model == "gpt":
+        windows = [rng.integers(0, VOCAB, (BATCH, CONTEXT + 1)) for _ in range(count)]
+        return [
+            (jnp.asarray(w[:, :-1], jnp.int32), jnp.asarray(w[:, 1:], jnp.int32)) for w in windows
+        ]
     return [
         (
             jnp.asarray(rng.normal(size=input_shape(model)), jnp.float32),

@@ -54,3 +54,37 @@ def test_stress_flags_that_cannot_work_are_one_line(flags, message):
     status, output = run_command([*STRESS, *flags], timeout=60, cwd=ROOT, check=False)
     assert status == 2
     assert output.strip().count("\n") == 0 and output.startswith(message), output
+
+
+def test_a_signal_stops_the_whole_stress_with_the_table_so_far():
+    """SIGTERM reaches the run in progress (launch_local forwards it) and then the stress
+    itself: it prints what it has and exits 143 instead of going on to the next run."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from helpers import descendants, kill_tree, outliving
+
+    process = subprocess.Popen(
+        [*STRESS, "--runs=3", "--methods=fdg", "--layouts=2x1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(descendants(process.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the first run's processes have started
+        started = descendants(process.pid)
+        time.sleep(2)
+        os.kill(process.pid, signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    except BaseException:
+        kill_tree(process.pid)
+        raise
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "Stopped by a signal" in output and "| layout | method |" in output, output[-3000:]
+    assert outliving(started, 15) == []

@@ -62,20 +62,29 @@ def _stop_at_call(monkeypatch, call):
 
 
 @pytest.mark.parametrize(
-    "method, microbatches",
+    "method, microbatches, optimizer",
     [
-        ("fdg", None),
-        pytest.param("ddg", None, marks=pytest.mark.slow),
-        ("gpipe", 4),
-        pytest.param("1f1b", 2, marks=pytest.mark.slow),
-        pytest.param("pipedream", None, marks=pytest.mark.slow),
-        ("2bw", 2),
+        ("fdg", None, "sgd"),
+        pytest.param("ddg", None, "sgd", marks=pytest.mark.slow),
+        ("gpipe", 4, "sgd"),
+        pytest.param("1f1b", 2, "sgd", marks=pytest.mark.slow),
+        pytest.param("pipedream", None, "sgd", marks=pytest.mark.slow),
+        ("2bw", 2, "sgd"),
+        ("fdg", None, "adamw"),
+        pytest.param("ddg", None, "muon", marks=pytest.mark.slow),
+        pytest.param("fdg", None, "async_nesterov", marks=pytest.mark.slow),
     ],
 )
 def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(
-    tmp_path, monkeypatch, method, microbatches
+    tmp_path, monkeypatch, method, microbatches, optimizer
 ):
     config = small_config(method=method, num_stages=3, microbatches=microbatches)
+    config.optimizer.name, config.optimizer.clip_norm = (
+        optimizer,
+        1.0 if optimizer != "sgd" else 0.0,
+    )
+    if optimizer != "sgd":
+        config.optimizer.learning_rate = 1e-3
     train(config, tmp_path / "whole", devices=jax.devices()[:3], log=quiet)
 
     restore = _stop_at_call(monkeypatch, 13)
@@ -456,3 +465,32 @@ def test_smoke_paper_config_trains_on_mock_cifar(tmp_path):
     for record in results.values():
         assert 0 <= record["test_accuracy"] <= 1 and np.isfinite(record["test_loss"])
     assert (tmp_path / "curves.png").exists()
+
+
+def test_the_language_model_config_trains_fdg_beside_bp_in_tokens(tmp_path):
+    config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
+    results = train(config, tmp_path, log=quiet)
+    assert sorted(results) == ["BP (fused)", "FDG K=2"]
+    for record in results.values():
+        assert record["test_perplexity"] == pytest.approx(np.exp(record["test_loss"]))
+        assert record["test_bits_per_byte"] == pytest.approx(record["test_loss"] / np.log(2))
+        assert record["tokens_per_second"] > 0 and record["corpus_files"] > 100
+        assert record["test_loss"] < np.log(256)  # better than guessing among 256 bytes
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(model__name="mlp"), "text \\(dataset stdlib\\) trains model gpt"),
+        (dict(method="dgl"), "DGL's auxiliary heads pool images"),
+        (dict(model__heads=3), "use a divisor of model.width"),
+        (dict(optimizer__name="lamb"), "choose one of: sgd, adamw, muon, async_nesterov"),
+        (dict(optimizer__clip_norm=-1.0), "use a norm > 0, or 0 for none"),
+    ],
+)
+def test_bad_language_model_settings_name_the_field(overrides, message):
+    config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
+    for name, value in overrides.items():
+        fields.set_field(config, name.replace("__", "."), value)
+    with pytest.raises(ValueError, match=message):
+        fields.check(config)

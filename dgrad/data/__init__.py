@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from dgrad.data import augment
+from dgrad.data import augment, text
 from dgrad.data.arrays import Split, batches, synthetic
 from dgrad.data.augment import Transform
 from dgrad.data.digits import load_digits
 from dgrad.data.mnist1d import load_mnist1d
 from dgrad.data.stream import Source, Stream, eval_batches
+from dgrad.data.text import Windows, stdlib_corpus
 from dgrad.data.tfds_source import DatasetNotFoundError, TfdsSource
 
-DATASETS = ("digits", "mnist1d", "synthetic", "cifar10", "cifar100", "imagenet2012")
+DATASETS = ("digits", "mnist1d", "synthetic", "cifar10", "cifar100", "imagenet2012", "stdlib")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Dataset:
     eval_transform: Transform
     num_classes: int
     input_shape: tuple[int, ...]
+    tokens_per_example: int | None = None  # text: the window's tokens (one byte each)
+    fingerprint: dict | None = None  # text: what the corpus was (it differs by Python)
 
 
 def load(
@@ -57,6 +60,7 @@ def load(
     image_size: int = 224,
     synthetic_shape: tuple[int, ...] = (32, 32, 3),
     synthetic_examples: int = 4096,
+    context: int = 256,
 ) -> Dataset:
     """The dataset `name`, one of `DATASETS`.
 
@@ -66,6 +70,9 @@ def load(
     uint8 images of `synthetic_shape` for speed runs; CIFAR and ImageNet are
     read from `data_dir` (default `$TFDS_DATA_DIR` or `~/tensorflow_datasets`)
     and raise `DatasetNotFoundError`, saying how to prepare them, when absent.
+    `"stdlib"` is text: this interpreter's standard library source as bytes
+    (`dgrad.data.text.stdlib_corpus`), in windows of `context` tokens whose
+    labels are the next tokens; `num_classes` is its vocabulary (256).
 
     >>> ds = load("digits")
     >>> ds.name, ds.num_classes, ds.input_shape
@@ -105,6 +112,20 @@ def load(
             train.num_classes,
             (32, 32, 3),
         )
+    if name == "stdlib":
+        corpus = stdlib_corpus()
+        train, test = Windows(corpus.train, context), Windows(corpus.test, context)
+        return Dataset(
+            name,
+            train,
+            test,
+            text.tokens,
+            text.tokens,
+            corpus.vocab_size,
+            (context,),
+            tokens_per_example=context,
+            fingerprint=corpus.fingerprint,
+        )
     if name == "imagenet2012":
         train = TfdsSource(name, "train", data_dir)
         test = TfdsSource(name, "validation", data_dir)
@@ -128,11 +149,13 @@ __all__ = [
     "Source",
     "Stream",
     "TfdsSource",
+    "Windows",
     "augment",
     "batches",
     "eval_batches",
     "load",
     "load_digits",
     "load_mnist1d",
+    "stdlib_corpus",
     "synthetic",
 ]

@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from dgrad import data, models
+from dgrad import data, models, optim
 from dgrad.pipeline import Pipeline
 from dgrad.train.config import Run
 from dgrad.train.recipes import resolved_optimizer
@@ -38,6 +38,7 @@ def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
         data_dir=config.data_dir or None,
         seed=config.seed,
         image_size=config.image_size,
+        context=config.context,
     )
 
 
@@ -84,6 +85,17 @@ def build_stages(config: ml_collections.ConfigDict, num_stages: int, dataset: da
     [1, 2]
     """
     spec, classes, channels = config.model, dataset.num_classes, dataset.input_shape[-1]
+    if spec.name == "gpt":
+        return models.gpt(
+            classes,
+            spec.depth,
+            spec.heads,
+            spec.width,
+            config.context,
+            num_stages,
+            split="balanced" if config.split in ("auto", "authors") else config.split,
+            rngs=config.seed,
+        )
     if spec.name == "cifar_resnet":
         return models.cifar_resnet(
             spec.depth,
@@ -159,9 +171,16 @@ def learning_rate(
 
 
 def build_optimizer(
-    config: ml_collections.ConfigDict, method: str, steps_per_epoch: int, accumulate: int = 1
-) -> optax.GradientTransformation:
-    """SGD with momentum and coupled weight decay on the config's schedule.
+    config: ml_collections.ConfigDict,
+    method: str,
+    steps_per_epoch: int,
+    accumulate: int = 1,
+    num_stages: int | None = None,
+):
+    """The config's optimizer (SGD with momentum and coupled weight decay, AdamW, Muon, or
+    the asynchronous-pipeline Nesterov, whose momentum per stage follows that stage's
+    staleness among `num_stages`) on its schedule, each stage's gradient clipped by its own
+    norm if `clip_norm` is set: an optax transformation, or a function of the stage index.
 
     Schedules count each stage's own updates (so a stage that starts updating
     later in an FDG pipeline reaches each boundary a few steps later).
@@ -177,14 +196,28 @@ def build_optimizer(
     Array([-0.1, -0.1], dtype=float32)
     """
     spec = resolved_optimizer(config, method)
-    return optax.chain(
-        optax.add_decayed_weights(spec["weight_decay"]),
-        optax.sgd(
-            learning_rate(config, method, steps_per_epoch, accumulate),
-            spec["momentum"] or None,
-            nesterov=spec["nesterov"],
-        ),
-    )
+    rate = learning_rate(config, method, steps_per_epoch, accumulate)
+    if spec["name"] == "async_nesterov":  # a momentum per stage, from its staleness
+        per_stage = optim.async_nesterov_for(
+            rate, method, num_stages or config.num_stages, weight_decay=spec["weight_decay"]
+        )
+        if spec["clip_norm"] > 0:
+            return lambda k: optax.chain(optax.clip_by_global_norm(spec["clip_norm"]), per_stage(k))
+        return per_stage
+    if spec["name"] == "adamw":
+        tx = optax.adamw(rate, weight_decay=spec["weight_decay"])
+    elif spec["name"] == "muon":
+        tx = optax.contrib.muon(
+            rate, weight_decay=spec["weight_decay"], adam_weight_decay=spec["weight_decay"]
+        )
+    else:
+        tx = optax.chain(
+            optax.add_decayed_weights(spec["weight_decay"]),
+            optax.sgd(rate, spec["momentum"] or None, nesterov=spec["nesterov"]),
+        )
+    if spec["clip_norm"] > 0:  # each stage has its own optimizer: clipped by its own norm
+        tx = optax.chain(optax.clip_by_global_norm(spec["clip_norm"]), tx)
+    return tx
 
 
 def build_pipeline(
@@ -214,7 +247,9 @@ def build_pipeline(
     pipe = Pipeline(
         stages,
         method=run.method,
-        optimizer=build_optimizer(config, run.method, steps_per_epoch, accumulate),
+        optimizer=build_optimizer(
+            config, run.method, steps_per_epoch, accumulate, num_stages=run.num_stages
+        ),
         beta=config.beta if run.method == "fdg" else 1.0,
         weights=None if baseline else config.weights,
         memory=None if baseline else config.memory,

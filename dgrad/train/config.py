@@ -34,7 +34,8 @@ from ml_collections import config_dict
 from dgrad.data import DATASETS
 from dgrad.options import PLACEMENTS, Options
 
-MODELS = ("cifar_resnet", "wide_resnet", "mlp", "cnn1d")
+MODELS = ("cifar_resnet", "wide_resnet", "mlp", "cnn1d", "gpt")
+OPTIMIZERS = ("sgd", "adamw", "muon", "async_nesterov")
 SCHEDULES = ("piecewise", "cosine", "constant")
 SPLITS = ("authors", "balanced", "auto")
 
@@ -84,6 +85,8 @@ FIELDS = (
     Field("model.width", 16, "cifar_resnet: channels of the first group; cnn1d: channels"),
     Field("model.widen", 10, "wide_resnet: widening factor (WRN-28-10: depth 28, widen 10)"),
     Field("model.hidden", (128, 128), "mlp: the hidden layer sizes"),
+    Field("model.heads", 4, "gpt: attention heads (model.depth: blocks, model.width: dim)"),
+    Field("context", 256, "text datasets (stdlib): tokens per window, the gpt's context"),
     Field(
         "split",
         "authors",
@@ -118,7 +121,19 @@ FIELDS = (
     Field("eval_examples", -1, "test examples evaluated each epoch (-1: the whole test split)"),
     Field("eval_batch_size", 500, "evaluation batch", resumable=True),
     Field("seed", 0, "fixes the weights, the data order and the augmentation"),
-    Field("optimizer.learning_rate", 0.1, "SGD learning rate"),
+    Field(
+        "optimizer.name",
+        "sgd",
+        "sgd (momentum, coupled weight decay), adamw (optax.adamw, decoupled weight decay) "
+        "muon (optax.contrib.muon on matrices, AdamW on the rest) or async_nesterov "
+        "(NAdamW whose momentum grows with each stage's staleness, Ajanthan et al. 2025)",
+    ),
+    Field("optimizer.learning_rate", 0.1, "learning rate"),
+    Field(
+        "optimizer.clip_norm",
+        0.0,
+        "clip each stage's gradient to this global norm, each stage by its own (0: none)",
+    ),
     Field("optimizer.momentum", 0.9, "SGD momentum (0: none)"),
     Field(
         "optimizer.nesterov",
@@ -390,6 +405,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     choices = {
         "dataset": DATASETS,
         "model.name": MODELS,
+        "optimizer.name": OPTIMIZERS,
         "split": SPLITS,
         "placement": PLACEMENTS,
         "optimizer.schedule": SCHEDULES,
@@ -422,6 +438,19 @@ def check(config: ml_collections.ConfigDict) -> None:
         _fail("optimizer.warmup_epochs", values["optimizer.warmup_epochs"], "use 0 or more")
     if not values["optimizer.weight_decay"] >= 0 or math.isinf(values["optimizer.weight_decay"]):
         _fail("optimizer.weight_decay", values["optimizer.weight_decay"], "use 0 or more")
+    if not values["optimizer.clip_norm"] >= 0 or math.isinf(values["optimizer.clip_norm"]):
+        _fail("optimizer.clip_norm", values["optimizer.clip_norm"], "use a norm > 0, or 0 for none")
+    text, model = values["dataset"] == "stdlib", values["model.name"] == "gpt"
+    if text != model:
+        _fail(
+            "model.name",
+            values["model.name"],
+            "text (dataset stdlib) trains model gpt, and gpt trains on text",
+        )
+    if model and values["method"] == "dgl":
+        _fail("method", "dgl", "DGL's auxiliary heads pool images; gpt has none, use another")
+    if model and (values["model.width"] % values["model.heads"] or values["context"] < 1):
+        _fail("model.heads", values["model.heads"], "use a divisor of model.width")
     try:
         Options(
             method=config.method,

@@ -161,6 +161,32 @@ class RunContext:
         return jax.process_index() == 0
 
 
+def text_metrics(
+    record: dict[str, Any], tokens_per_epoch: int, fingerprint: dict | None = None
+) -> dict[str, Any]:
+    """A text run's epoch in the units language models are compared in: perplexity
+    (exp of the loss in nats per token), bits per byte (the loss / ln 2 for byte-level
+    tokens) and tokens trained per second (over the epoch, its evaluation included).
+
+    The corpus' `fingerprint` goes along as `corpus_<field>` (it differs between
+    Python versions for the embedded one).
+
+    >>> metrics = text_metrics({"test_loss": math.log(4), "seconds": 2.0}, 1000)
+    >>> {name: round(value, 3) for name, value in metrics.items()}
+    {'test_perplexity': 4.0, 'test_bits_per_byte': 2.0, 'tokens_per_second': 500.0}
+    >>> text_metrics({"seconds": 1.0}, 10, {"python": "3.11.7"})["corpus_python"]
+    '3.11.7'
+    """
+    metrics = {}
+    for split in ("train", "test"):
+        if f"{split}_loss" in record:
+            metrics[f"{split}_perplexity"] = math.exp(record[f"{split}_loss"])
+            metrics[f"{split}_bits_per_byte"] = record[f"{split}_loss"] / math.log(2)
+    metrics["tokens_per_second"] = tokens_per_epoch / record["seconds"]
+    metrics.update({f"corpus_{name}": value for name, value in (fingerprint or {}).items()})
+    return metrics
+
+
 class Due(NamedTuple):
     """What is due after a step: a train-metric record, an evaluation, a checkpoint.
 
@@ -357,13 +383,15 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
             if ctx.writes
             else None
         )
+        tokens = ctx.dataset.tokens_per_example
         progress = Progress(
             total,
             state.step,
-            config.batch_size,
+            config.batch_size * (tokens or 1),
             stream=ctx.progress_stream,
             every=config.log_every_steps,
             label=label,
+            unit="token" if tokens else "sample",
         )
         # On several processes a stop is agreed at the next log, epoch or save step, so
         # that all of them save the same step (`log_every_steps` bounds the wait).
@@ -410,6 +438,10 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                         ),
                         "seconds": time.perf_counter() - epoch_start,
                     }
+                    if tokens:
+                        record.update(
+                            text_metrics(record, config.batch_size * tokens * steps_per_epoch)
+                        )
                     if writer is not None:
                         writer.write(record)
                     progress.write(

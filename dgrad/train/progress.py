@@ -30,7 +30,8 @@ def _interactive(stream) -> bool:
 
 
 class Progress:
-    """Progress of steps `start..total` of `batch_size` samples, labelled `label`.
+    """Progress of steps `start..total` of `batch_size` samples (or other `unit`s, such as
+    a text batch's tokens), labelled `label`.
 
     >>> import io
     >>> out = io.StringIO()  # not a terminal: plain lines
@@ -49,6 +50,7 @@ class Progress:
         stream: TextIO | None = None,
         every: int = 50,
         label: str = "",
+        unit: str = "sample",
     ):
         self.total, self.batch_size, self.every, self.label = (
             total,
@@ -56,6 +58,7 @@ class Progress:
             max(1, every),
             label,
         )
+        self.unit = unit
         self.stream = stream or sys.stderr
         self._start_step, self._start_time = start, time.perf_counter()
         self._bar = None
@@ -65,7 +68,7 @@ class Progress:
             self._bar = tqdm(
                 total=total * batch_size,
                 initial=start * batch_size,
-                unit="sample",
+                unit=unit,
                 unit_scale=True,
                 desc=label.strip() or None,
                 file=self.stream,
@@ -95,7 +98,7 @@ class Progress:
         rate = done / elapsed if done > 0 and elapsed > 0 else 0.0
         text = (
             f"{self.label}step {step}/{self.total} {100 * step / max(self.total, 1):3.0f}% | "
-            f"{rate * self.batch_size:7.1f} samples/s"
+            f"{rate * self.batch_size:7.1f} {self.unit}s/s"
             + (f" | loss {loss:.4f}" if loss is not None else "")
             + (f" | ETA {_clock((self.total - step) / rate)}" if rate > 0 else "")
         )

@@ -1,0 +1,89 @@
+"""The decoder-only transformer: causal, cut at block boundaries, and trained by every
+method and memory policy to the reference's numbers on one device, on one device per stage
+and with every stage replicated."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import (
+    SMOOTH_OPTIMIZER,
+    assert_matches_reference,
+    layouts,
+    optimizer,
+    reference_of,
+    run_pipeline,
+)
+
+from dgrad import models
+
+SLOW = pytest.mark.slow
+
+
+def test_a_token_sees_only_the_tokens_before_it():
+    stages = models.gpt(50, num_layers=2, num_heads=2, dim=16, context=8, num_stages=2)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 50, (2, 8)), jnp.int32)
+    changed = tokens.at[:, 5].set((tokens[:, 5] + 1) % 50)
+
+    def logits(x):
+        return stages[1](stages[0](x))
+
+    before, after = logits(tokens), logits(changed)
+    np.testing.assert_allclose(before[:, :5], after[:, :5], atol=1e-6)
+    assert float(jnp.abs(before[:, 5:] - after[:, 5:]).max()) > 1e-4
+
+
+def test_the_embedding_is_on_stage_0_and_the_head_on_the_last():
+    stages = models.gpt(50, num_layers=4, num_heads=2, dim=16, context=8, num_stages=4)
+    assert type(stages[0].layers[0]).__name__ == "Embedding"
+    assert type(stages[-1].layers[-1]).__name__ == "Head"
+    with pytest.raises(ValueError, match="cannot be cut into num_stages=7"):
+        models.gpt(50, num_layers=4, num_heads=2, dim=16, context=8, num_stages=7)
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        models.gpt(50, num_layers=1, num_heads=3, dim=16, context=8)
+
+
+def check(num_stages, method, names=None, **options):
+    for name, layout in layouts(num_stages, replicas=2).items():
+        if names and name not in names:
+            continue
+        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+        reference_options = {k: v for k, v in options.items() if k != "memory"}
+        ref = reference_of("gpt", num_stages, method=method, optimizer=tx, **reference_options)
+        _, state, history = run_pipeline(
+            "gpt", num_stages, method=method, optimizer=tx, **options, **layout
+        )
+        try:
+            assert_matches_reference(state, history, ref)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+
+
+@pytest.mark.parametrize(
+    "num_stages,method,options",
+    [
+        (2, "fdg", dict(beta=0.5)),
+        (2, "ddg", {}),
+        (2, "gpipe", dict(microbatches=2)),
+        pytest.param(1, "bp", {}, marks=SLOW),
+        pytest.param(3, "fdg", {}, marks=SLOW),
+        pytest.param(4, "ddg", dict(weights="current", memory="recompute"), marks=SLOW),
+        pytest.param(3, "2bw", dict(microbatches=2), marks=SLOW),
+        pytest.param(2, "fdg", dict(memory="dots"), marks=SLOW),
+        pytest.param(2, "pipedream", {}, marks=SLOW),
+    ],
+)
+def test_gpt_stages_match_the_reference(num_stages, method, options):
+    check(num_stages, method, **options)
+
+
+def test_the_comparison_can_fail_on_the_gpt():
+    _, state, history = run_pipeline("gpt", 2, method="fdg", devices=jax.devices()[:2])
+    assert_matches_reference(
+        state, history, reference_of("gpt", 2, method="fdg", optimizer=optimizer)
+    )
+    for other in (dict(method="ddg"), dict(method="bp")):
+        with pytest.raises(AssertionError):
+            assert_matches_reference(
+                state, history, reference_of("gpt", 2, optimizer=optimizer, **other)
+            )
