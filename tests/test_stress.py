@@ -56,6 +56,7 @@ def test_stress_flags_that_cannot_work_are_one_line(flags, message):
     assert output.strip().count("\n") == 0 and output.startswith(message), output
 
 
+@pytest.mark.slow
 def test_a_signal_stops_the_whole_stress_with_the_table_so_far():
     """SIGTERM reaches the run in progress (launch_local forwards it) and then the stress
     itself: it prints what it has and exits 143 instead of going on to the next run."""

@@ -439,9 +439,8 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                         "seconds": time.perf_counter() - epoch_start,
                     }
                     if tokens:
-                        record.update(
-                            text_metrics(record, config.batch_size * tokens * steps_per_epoch)
-                        )
+                        per_epoch = config.batch_size * tokens * steps_per_epoch
+                        record.update(text_metrics(record, per_epoch, ctx.dataset.fingerprint))
                     if writer is not None:
                         writer.write(record)
                     progress.write(
