@@ -127,11 +127,16 @@ Record = Residuals | Inputs | StashedInputs
 class Calls(NamedTuple):
     """A stage's jitted functions (see the module docstring for what each does).
 
-    >>> import optax
+    >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
-    >>> calls = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1)).calls
-    >>> calls._fields[:4]
-    ('forward', 'step', 'backward_update', 'backward_sum')
+    >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
+    >>> opt_state = fns.optimizer.init(fns.params)
+    >>> y, rest, record = fns.calls.forward(fns.params, fns.rest, opt_state, jnp.ones((4, 3)))
+    >>> treedef = fns.residual_treedef(fns.params, fns.rest, jnp.ones((4, 3)))
+    >>> grads, _ = fns.calls.backward_sum(fns.params, fns.rest, record, jnp.ones_like(y), None,
+    ...                                   treedef)
+    >>> grads["bias"]  # d(sum of outputs)/d(bias): one per row of the batch
+    Array([4., 4.], dtype=float32)
     """
 
     forward: Callable
