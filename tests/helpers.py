@@ -250,3 +250,21 @@ def reference_of(model, num_stages, **kwargs):
     """The reference run of a test model on its standard data stream (any options)."""
     data = batches(model, num_steps(num_stages))
     return reference_run(build_stages(model, num_stages), data, **kwargs)
+
+
+def check_on_layouts(model, num_stages, method, names=None, memory="residuals", **options):
+    """The pipeline of `method` with `options` (and `memory`) matches the reference on every
+    layout of `layouts(num_stages, replicas=2)` (or those `names`d); replicated layouts use
+    the smooth optimizer (see SMOOTH_OPTIMIZER)."""
+    for name, layout in layouts(num_stages, replicas=2).items():
+        if names and name not in names:
+            continue
+        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+        ref = reference_of(model, num_stages, method=method, optimizer=tx, **options)
+        _, state, history = run_pipeline(
+            model, num_stages, method=method, memory=memory, optimizer=tx, **options, **layout
+        )
+        try:
+            assert_matches_reference(state, history, ref)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None

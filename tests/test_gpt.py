@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
-    SMOOTH_OPTIMIZER,
     assert_matches_reference,
-    layouts,
+    check_on_layouts,
     optimizer,
     reference_of,
     run_pipeline,
@@ -43,22 +42,6 @@ def test_the_embedding_is_on_stage_0_and_the_head_on_the_last():
         models.gpt(50, num_layers=1, num_heads=3, dim=16, context=8)
 
 
-def check(num_stages, method, names=None, **options):
-    for name, layout in layouts(num_stages, replicas=2).items():
-        if names and name not in names:
-            continue
-        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
-        reference_options = {k: v for k, v in options.items() if k != "memory"}
-        ref = reference_of("gpt", num_stages, method=method, optimizer=tx, **reference_options)
-        _, state, history = run_pipeline(
-            "gpt", num_stages, method=method, optimizer=tx, **options, **layout
-        )
-        try:
-            assert_matches_reference(state, history, ref)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
-
-
 @pytest.mark.parametrize(
     "num_stages,method,options",
     [
@@ -74,7 +57,7 @@ def check(num_stages, method, names=None, **options):
     ],
 )
 def test_gpt_stages_match_the_reference(num_stages, method, options):
-    check(num_stages, method, **options)
+    check_on_layouts("gpt", num_stages, method, **options)
 
 
 def test_the_comparison_can_fail_on_the_gpt():

@@ -6,11 +6,11 @@ import jax
 import numpy as np
 import pytest
 from helpers import (
-    SMOOTH_OPTIMIZER,
     assert_close,
     assert_matches_reference,
     batches,
     build_pipeline,
+    check_on_layouts,
     layouts,
     optimizer,
     params_of,
@@ -25,26 +25,9 @@ SLOW = pytest.mark.slow
 
 
 def check(model, num_stages, method, microbatches, memory="residuals", names=None):
-    for name, layout in layouts(num_stages, replicas=2).items():
-        if names and name not in names:
-            continue
-        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
-        ref = reference_of(
-            model, num_stages, method=method, optimizer=tx, microbatches=microbatches
-        )
-        _, state, history = run_pipeline(
-            model,
-            num_stages,
-            method=method,
-            microbatches=microbatches,
-            memory=memory,
-            optimizer=tx,
-            **layout,
-        )
-        try:
-            assert_matches_reference(state, history, ref)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
+    check_on_layouts(
+        model, num_stages, method, names=names, memory=memory, microbatches=microbatches
+    )
 
 
 def fast_if(condition):
