@@ -495,8 +495,16 @@ def differences(
     >>> config.num_epochs += 10
     >>> differences(saved, config), differences(saved, config, extending=True)
     (['num_epochs', 'num_stages'], ['num_stages'])
+
+    A field added after a run was saved reads as its default there:
+
+    >>> older = to_json(base())
+    >>> del older["context"], older["optimizer"]["name"]
+    >>> differences(older, base())
+    []
     """
-    old, new = flatten(saved), flatten(to_json(config))
+    old = {**flatten(to_json(base())), **flatten(saved)}
+    new = flatten(to_json(config))
     changed = sorted(
         name
         for name in old.keys() | new.keys()
