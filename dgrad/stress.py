@@ -34,7 +34,14 @@ SIGNALLED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # the stress itself was
 
 class StressStopped(Exception):
     """The stress was interrupted (Ctrl-C or SIGTERM, forwarded to the run in progress):
-    `outcomes` holds the runs done before, `status` the run's exit status."""
+    `outcomes` holds the runs done before, `status` the run's exit status.
+
+    >>> done = [Outcome("2x1", "fdg", statuses=[0], seconds=[20.0])]
+    >>> stopped = StressStopped(done, 128 + signal.SIGTERM)
+    >>> stopped.status, print(table(stopped.outcomes).splitlines()[-1])
+    | 2x1 | fdg | 1 | 1 | 0 | 0 | 20.0 |
+    (143, None)
+    """
 
     def __init__(self, outcomes, status: int):
         super().__init__(f"stopped by a signal (status {status})")

@@ -65,7 +65,7 @@ def resolved_optimizer(config: ml_collections.ConfigDict, method: str) -> dict[s
     >>> from dgrad.train import config as fields
     >>> config = fields.base()
     >>> resolved_optimizer(config, "fdg")
-    {'boundaries': (150, 225, 275), 'decay': 0.1, 'learning_rate': 0.1, 'momentum': 0.9, ...}
+    {'boundaries': (150, 225, 275), 'clip_norm': 0.0, 'decay': 0.1, 'learning_rate': 0.1, ...}
     >>> config.optimizer.nesterov, config.accumulate = False, 2  # a set field stays as set
     >>> spec = resolved_optimizer(config, "ddg")
     >>> spec["nesterov"], spec["warmup_epochs"], spec["boundaries"]
