@@ -156,6 +156,9 @@ def reference_run(
         def loss(params, x):
             return loss_fn(apply(K - 1, params, rest, x)[0], labels)[0]
 
+        if K == 1:  # the input is the batch itself (tokens: integers), nothing to send back
+            value, grad = jax.value_and_grad(loss)(params, x)
+            return value, (grad, None)
         return jax.value_and_grad(loss, argnums=(0, 1))(params, x)
 
     forward_rest = {}  # (stage, batch) -> the rest the stage had when it forwarded the batch
