@@ -47,7 +47,7 @@ def test_the_embedding_is_on_stage_0_and_the_head_on_the_last():
     [
         (2, "fdg", dict(beta=0.5)),
         (2, "ddg", {}),
-        (2, "gpipe", dict(microbatches=2)),
+        pytest.param(2, "gpipe", dict(microbatches=2), marks=SLOW),
         pytest.param(1, "bp", {}, marks=SLOW),
         pytest.param(3, "fdg", {}, marks=SLOW),
         pytest.param(4, "ddg", dict(weights="current", memory="recompute"), marks=SLOW),
