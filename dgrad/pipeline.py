@@ -370,17 +370,8 @@ class Pipeline:
             (state.cotangents, work.cotangents),
         ]:
             box.update({(k, m.batch): m for k, m in enumerate(waiting) if m is not None})
-        carry_out = {
-            Forward: self._do_forward,
-            BackwardForward: self._do_backward_forward,
-            Backward: self._do_backward,
-            Loss: self._do_loss,
-            LocalLoss: self._do_local_loss,
-            Apply: self._do_apply,
-            Fused: self._do_fused,
-        }
         for call in self.schedule.work(t):
-            carry_out[type(call)](call, work)
+            _CARRIERS[type(call)](self, call, work)
         return state.replace(
             step=t + 1,
             stages=tuple(work.stages),
@@ -691,6 +682,19 @@ class Pipeline:
             labels=self._batch_shapes[1],
             recent=self.probe_window,
         )
+
+
+# What carries out each kind of timetable call (built once; a view from `observed` is
+# passed as `self`, so it runs its own watched functions).
+_CARRIERS = {
+    Forward: Pipeline._do_forward,
+    BackwardForward: Pipeline._do_backward_forward,
+    Backward: Pipeline._do_backward,
+    Loss: Pipeline._do_loss,
+    LocalLoss: Pipeline._do_local_loss,
+    Apply: Pipeline._do_apply,
+    Fused: Pipeline._do_fused,
+}
 
 
 def _check_aux_heads(stages, schedule: Schedule) -> None:

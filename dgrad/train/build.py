@@ -197,13 +197,17 @@ def build_optimizer(
     """
     spec = resolved_optimizer(config, method)
     rate = learning_rate(config, method, steps_per_epoch, accumulate)
+
+    def clipped(tx):  # each stage has its own optimizer: clipped by its own norm
+        if spec["clip_norm"] > 0:
+            return optax.chain(optax.clip_by_global_norm(spec["clip_norm"]), tx)
+        return tx
+
     if spec["name"] == "async_nesterov":  # a momentum per stage, from its staleness
         per_stage = optim.async_nesterov_for(
             rate, method, num_stages or config.num_stages, weight_decay=spec["weight_decay"]
         )
-        if spec["clip_norm"] > 0:
-            return lambda k: optax.chain(optax.clip_by_global_norm(spec["clip_norm"]), per_stage(k))
-        return per_stage
+        return lambda k: clipped(per_stage(k))
     if spec["name"] == "adamw":
         tx = optax.adamw(rate, weight_decay=spec["weight_decay"])
     elif spec["name"] == "muon":
@@ -215,9 +219,7 @@ def build_optimizer(
             optax.add_decayed_weights(spec["weight_decay"]),
             optax.sgd(rate, spec["momentum"] or None, nesterov=spec["nesterov"]),
         )
-    if spec["clip_norm"] > 0:  # each stage has its own optimizer: clipped by its own norm
-        tx = optax.chain(optax.clip_by_global_norm(spec["clip_norm"]), tx)
-    return tx
+    return clipped(tx)
 
 
 def build_pipeline(

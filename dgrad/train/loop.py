@@ -414,13 +414,10 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     checkpoint_every=config.checkpoint_every_steps,
                 )
                 stopping = (any(due) or one_process) and vote.any(ctx.stop.requested is not None)
+                behind.hold(step_metrics, log_at=step if due.log or due.evaluate else None)
                 if not (due.evaluate or due.save or stopping):
-                    behind.hold(step_metrics, log_at=step if due.log else None)
                     continue
-                behind.hold(step_metrics)  # evaluating and saving wait for this step anyway
-                behind.read()
-                if due.log or due.evaluate:
-                    behind.write_interval(step)
+                behind.read()  # evaluating and saving wait for this step anyway
                 if due.evaluate:
                     pipe.check_finite(state)
                     record = {
