@@ -162,6 +162,52 @@ def stop_with_parent(every_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="dgrad-stop-with-parent", daemon=True).start()
 
 
+LEAVE_S = 5.0
+
+
+def leave_within(status: int, seconds: float = LEAVE_S, out=None) -> None:
+    """Bounds how long this process may take to exit after a run that did not succeed
+    (`status` != 0: failed, stopped, or an exception in flight): leaving waits for every
+    process at JAX's shutdown barrier, which a peer that died or is stuck never reaches
+    (JAX would wait 5 minutes). After `seconds` a daemon thread prints one line and ends
+    the process with `status`. A run that succeeded waits for its peers as JAX does: they
+    finished the same steps and reach the barrier too.
+
+    >>> leave_within(1)  # one process: no one to wait for, nothing to bound
+    """
+    import jax
+
+    if jax.process_count() == 1 or status == 0:
+        return
+    index = jax.process_index()
+
+    def give_up():
+        time.sleep(seconds)
+        try:  # a dead starter leaves no one to read it: the exit must not depend on it
+            (out or sys.stderr).write(
+                f"[process {index}] the other processes did not join the shutdown within "
+                f"{seconds:g} s; leaving without them (exit status {status}).\n"
+            )
+            (out or sys.stderr).flush()
+        finally:
+            os._exit(status)
+
+    threading.Thread(target=give_up, name="dgrad-leave-within", daemon=True).start()
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether `error` is a device call failing because another process of the run went
+    away (its end of a cross-process transfer closed).
+
+    >>> lost_a_peer(RuntimeError("SocketServer: Connection closed recv() == 0."))
+    True
+    >>> lost_a_peer(RuntimeError("RESOURCE_EXHAUSTED: out of memory"))
+    False
+    """
+    text = str(error)
+    return any(sign in text for sign in ("Connection closed", "Connection reset", "SocketServer"))
+
+
 class StopVote:
     """Agrees between the processes of a run whether to stop.
 

@@ -30,7 +30,11 @@ SHORT = [
     "--config.log_every_steps=2",
     "--config.checkpoint_every_steps=3",
 ]
-WATCHDOG_LINE = re.compile(r"^\[(\d)\] \[process \d\] (stalled|SIGTERM not honoured)", re.M)
+WATCHDOG_LINE = re.compile(  # a process waiting for the stalled one may see it go instead
+    r"^\[(\d)\] (?:error: )?\[process \d\] "
+    r"(stalled|SIGTERM not honoured|another process of the run went away)",
+    re.M,
+)
 
 
 def _checkpoint_steps(run_dir):
@@ -155,3 +159,74 @@ def test_a_stall_timeout_that_cannot_work_is_one_line(tmp_path):
         "error: config.stall_timeout = -2.0 is not valid: use seconds > 0, 0 (never) or -1 "
         "(follow the run)."
     )
+
+
+SIGNALLED_THEN_STUCK = """
+import os, signal, threading, time
+from dgrad.train.signals import StopRequests
+from dgrad.train.watchdog import Watchdog
+
+with StopRequests(), Watchdog(stall_timeout=0, grace_s=1.0) as watchdog:
+    watchdog.beat(1)
+    os.kill(os.getpid(), signal.SIGTERM)
+    for step in range(2, 22):  # 2 s of steps after the signal: the stop is under way
+        time.sleep(0.1)
+        watchdog.beat(step)
+    threading.Event().wait()  # then the stop waits for a peer that never answers
+"""
+
+
+def test_a_signalled_run_that_steps_on_and_then_sticks_stops_within_the_grace():
+    """The beats after a signal show the stop is under way; they do not excuse a stop
+    that then waits forever (a vote or a transfer with a peer that died)."""
+    status, output = run_command(
+        [sys.executable, "-c", SIGNALLED_THEN_STUCK], timeout=60, cwd=ROOT, check=False
+    )
+    assert status == 128 + signal.SIGTERM, output
+    assert "SIGTERM not honoured within 1 s" in output, output
+    assert "after step 21" in output, output
+
+
+LEFT_ALONE = """
+import os, sys, time
+import jax
+from dgrad import distributed
+
+distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), cpu_devices=1)
+jax.devices()  # every process takes part in starting the backend
+if sys.argv[2] == "1":
+    os._exit(0)  # a peer that goes away without joining the shutdown
+time.sleep(1.0)
+distributed.leave_within(3, seconds=2.0)
+raise SystemExit(3)  # JAX's shutdown at exit now waits for process 1 at its barrier
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_process_leaves_within_its_bound_when_a_peer_is_gone():
+    from dgrad.distributed import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    peers = [
+        subprocess.Popen(
+            [sys.executable, "-c", LEFT_ALONE, coordinator, str(index)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for index in range(2)
+    ]
+    started = time.monotonic()
+    try:
+        output, _ = peers[0].communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        for peer in peers:
+            kill_tree(peer.pid)
+        raise AssertionError(f"process 0 did not leave:\n{peers[0].communicate()[0]}") from None
+    finally:
+        peers[1].wait(timeout=30)
+    assert peers[0].returncode == 3, output
+    assert "[process 0] the other processes did not join the shutdown within 2 s" in output
+    assert time.monotonic() - started < 45

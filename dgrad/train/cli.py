@@ -238,6 +238,31 @@ def _run(args, config, name: str, stop: StopRequests) -> int:
         return 2
     import jax
 
+    status = 1  # an exception in flight
+    try:
+        status = _train(args, config, name, stop)
+        return status
+    except Stopped as stopped:  # said by `main`
+        status = 128 + stopped.signal_number
+        raise
+    except Exception as error:
+        if not (distributed.lost_a_peer(error) and jax.process_count() > 1):
+            raise
+        print(
+            f"error: [process {jax.process_index()}] another process of the run went away "
+            f"({type(error).__name__}: {str(error).strip()}); its own lines say why. The "
+            "newest complete checkpoint is kept; the same command resumes from it.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return status
+    finally:
+        distributed.leave_within(status)
+
+
+def _train(args, config, name: str, stop: StopRequests) -> int:
+    import jax
+
     from dgrad import data
     from dgrad.train import SetupError, train
 

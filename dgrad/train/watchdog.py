@@ -9,9 +9,11 @@ The training loop `beat`s after every step (and every evaluation batch). A
 - a signal it cannot honour: SIGINT / SIGTERM are taken by `StopRequests`, whose
   handler runs only once the main thread is back in Python. A main thread blocked
   inside a device call never is, so the watchdog also hears the signals (through
-  `signal.set_wakeup_fd`) and, when no beat follows within `grace_s`, prints one
-  line and exits with 128 + the signal's number. A checkpoint being saved is
-  progress: the grace runs from its end.
+  `signal.set_wakeup_fd`). From the signal on, the process must keep beating until
+  it stops: a gap longer than the grace (`grace_s`, or twice the slowest step if
+  that is longer) prints one line and exits with 128 + the signal's number. So a
+  stop that waits for a peer which died or is stuck ends too. A checkpoint being
+  saved is progress: the grace runs from its end.
 
 With `stall_timeout` = -1 (the default) the limit follows the run: 10 times the
 slowest step so far, at least `AUTO_FLOOR_S`, and `AUTO_FIRST_S` until the first
@@ -118,6 +120,18 @@ class Watchdog:
             return AUTO_FIRST_S
         return max(AUTO_FLOOR_S, 10 * self.slowest_s)
 
+    def grace_after_signal_s(self) -> float:
+        """The longest gap between beats a signalled process may take before it exits.
+
+        >>> watchdog = Watchdog(grace_s=5.0)
+        >>> watchdog.grace_after_signal_s()
+        5.0
+        >>> watchdog.slowest_s = 4.0  # slow steps get twice their length
+        >>> watchdog.grace_after_signal_s()
+        8.0
+        """
+        return max(self.grace_s, 2 * self.slowest_s)
+
     # ---------------------------------------------------------- the thread
 
     def __enter__(self) -> Watchdog:
@@ -156,10 +170,11 @@ class Watchdog:
                 continue
             if self._signalled is not None:
                 number, since = self._signalled
-                if self._last < since and now - since > self.grace_s:
+                grace = self.grace_after_signal_s()
+                if now - max(since, self._last) > grace:
                     self._exit(
                         128 + number,
-                        f"{signal.Signals(number).name} not honoured within {self.grace_s:g} s "
+                        f"{signal.Signals(number).name} not honoured within {grace:g} s "
                         f"(stuck {self._waiting()}); stopping now",
                     )
             limit = self.limit_s()
@@ -218,7 +233,7 @@ class _Saving:
         self.watchdog._saving = True
 
     def __exit__(self, *exc):
-        self.watchdog.beat()
+        self.watchdog._last = time.monotonic()  # progress, but not a step's length
         self.watchdog._saving = False
 
 
