@@ -27,21 +27,34 @@ import sys
 import time
 from typing import Sequence
 
+import numpy as np
+
 from dgrad.distributed import child_options, free_port
 
 WORKER = [sys.executable, "-m", "experiments.benchmark", "--serve"]
 
 
+GPT_SHAPE = {"vocab_size": 256, "layers": 4, "heads": 4, "dim": 128, "context": 64}
+
+
 def chain_of(spec: dict):
-    """The blocks of the benchmark's model `spec["model"]` (mlp, resnetN, wrnD-W), for images
-    of `spec["image_size"]` pixels a side and ResNets of `spec["width"]` channels.
+    """The blocks of the benchmark's model `spec["model"]` (mlp, resnetN, wrnD-W, gpt), for
+    images of `spec["image_size"]` pixels a side, ResNets of `spec["width"]` channels and a
+    byte-level GPT of `GPT_SHAPE` (or the spec's own `layers`, `heads`, `dim`, `context`).
 
     >>> len(chain_of({"model": "resnet20", "width": 4, "image_size": 8}).modules)
     11
+    >>> len(chain_of({"model": "gpt", "layers": 2, "dim": 16, "heads": 2}).modules)
+    4
     """
     from dgrad import models
 
     name, size = spec["model"], spec.get("image_size", 32)
+    if name == "gpt":
+        shape = {**GPT_SHAPE, **{k: spec[k] for k in GPT_SHAPE if k in spec}}
+        return models.gpt_blocks(
+            shape["vocab_size"], shape["layers"], shape["heads"], shape["dim"], shape["context"]
+        )
     if name == "mlp":
         return models.mlp_blocks([size * size * 3, 512, 512, 512, 512, 10])
     if name.startswith("resnet"):
@@ -50,6 +63,28 @@ def chain_of(spec: dict):
         )
     depth, widen = (int(n) for n in name[len("wrn") :].split("-"))
     return models.wide_resnet_blocks(depth, widen, 10)
+
+
+def example_batch(spec: dict):
+    """The benchmark's synthetic batch of `spec["batch_size"]` examples: random images and
+    labels of 10 classes, or for the GPT random byte windows labelled with their next bytes.
+
+    >>> images, labels = example_batch({"model": "mlp", "image_size": 4, "batch_size": 2})
+    >>> images.shape, labels.shape
+    ((2, 4, 4, 3), (2,))
+    >>> tokens, next_tokens = example_batch({"model": "gpt", "context": 8, "batch_size": 2})
+    >>> tokens.shape, bool((tokens[:, 1:] == next_tokens[:, :-1]).all())
+    ((2, 8), True)
+    """
+    rng = np.random.default_rng(0)
+    size = spec["batch_size"]
+    if spec["model"] == "gpt":
+        shape = {**GPT_SHAPE, **spec}
+        windows = rng.integers(0, shape["vocab_size"], (size, shape["context"] + 1))
+        return windows[:, :-1].astype(np.int32), windows[:, 1:].astype(np.int32)
+    side = spec.get("image_size", 32)
+    images = rng.normal(size=(size, side, side, 3)).astype(np.float32)
+    return images, rng.integers(0, 10, size).astype(np.int32)
 
 
 def spec_flags(spec: dict, pin: int | None) -> list[str]:
@@ -172,19 +207,15 @@ def serve(spec: dict, *, stdin=None, stdout=None) -> None:
     ['ready', 'time', 'time']
     """
     import jax
-    import numpy as np
     import optax
 
     import dgrad
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    size = spec.get("image_size", 32)
     stages = chain_of(spec).stages(spec["stages"], spec["cuts"])
     optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.01, momentum=0.9))
     pipe = dgrad.Pipeline(stages, optimizer=optimizer, method=spec["method"], fused=spec["fused"])
-    rng = np.random.default_rng(0)
-    images = rng.normal(size=(spec["batch_size"], size, size, 3)).astype(np.float32)
-    batch = (images, rng.integers(0, 10, spec["batch_size"]).astype(np.int32))
+    batch = example_batch(spec)
     state = pipe.init(batch)
     for _ in range(2 * pipe.num_stages + 2):
         state, _ = pipe.step(state, batch)

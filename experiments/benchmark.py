@@ -14,6 +14,7 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
     python -m experiments.benchmark --allocator default      # glibc's own malloc thresholds
     python -m experiments.benchmark --processes 2            # FDG K=2, a process per stage
     python -m experiments.benchmark --model mlp --stages 2,4 --methods gpipe,1f1b,ddg,fdg,2bw
+    python -m experiments.benchmark --model gpt --stages 1,2 --batch-size 32   # tokens/s
 
 GPipe, 1F1B and 2BW run with each of `--microbatches` (default 4, 8); their rows give
 each device's measured idle fraction beside the ideal bubble (K-1)/(M+K-1), and every
@@ -26,6 +27,11 @@ With `--processes K` it times FDG (or the first of `--methods`) with K stages
 on K processes pinned to a core each, beside the same pipeline in one process
 and fused BP pinned to one core, and what the moves between the processes
 cost per step (`dgrad.benchmark_across`).
+
+`--model gpt` times a byte-level GPT (`--layers`, `--heads`, `--dim`, `--context`) on
+random token windows; its rows give tokens/s and the model's training FLOP/s (6 x the
+forward's multiply-adds per token, `dgrad.models.gpt_blocks`), and with `--peak-tflops`
+(the device's peak for the dtype it runs) the model FLOPs utilisation.
 """
 
 from __future__ import annotations
@@ -34,11 +40,12 @@ import os
 import platform
 import sys
 
+from dgrad.benchmark_across import GPT_SHAPE, chain_of, example_batch
 from dgrad.train.cli import OneLineParser
 
 METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
 MICROBATCHED = ("gpipe", "1f1b", "2bw")
-MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10")
+MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10", "gpt")
 
 
 def parse_args(argv=None):
@@ -46,6 +53,12 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=MODELS, default="resnet20")
     parser.add_argument("--width", type=int, default=16, help="ResNet channels of group 1")
     parser.add_argument("--image-size", type=int, default=32)
+    for name, value in GPT_SHAPE.items():
+        if name != "vocab_size":
+            parser.add_argument(f"--{name}", type=int, default=value, help=f"GPT {name}")
+    parser.add_argument(
+        "--peak-tflops", type=float, help="the device's peak TFLOP/s: adds the GPT's MFU"
+    )
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--stages", default=None, help="K values, e.g. 1,2,4 (default 1..4)")
     parser.add_argument("--data-parallel", default="1", help="D values, e.g. 1,2 (default 1)")
@@ -109,7 +122,13 @@ def parse_args(argv=None):
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(METHODS)}")
-    for name in ("width", "image_size", "batch_size", "windows", "steps"):
+    if args.model == "gpt" and "dgl" in args.methods:
+        parser.error("--methods dgl: its auxiliary heads classify images; not on --model gpt")
+    if args.model == "gpt" and args.dim % args.heads:
+        parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
+    for name in ("width", "image_size", "batch_size", "windows", "steps", *GPT_SHAPE):
+        if name == "vocab_size":
+            continue
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.processes is not None and args.processes < 2:
@@ -136,10 +155,28 @@ def _bubble(case) -> str:
     return f"{idle} [{100 * (k - 1) / (m + k - 1):.0f}]"
 
 
-def blocks_of(args):
-    from dgrad.benchmark_across import chain_of
+def spec_of(args) -> dict:
+    """What `dgrad.benchmark_across` builds the model and its batch from."""
+    shape = {name: getattr(args, name) for name in GPT_SHAPE if name != "vocab_size"}
+    return {
+        "model": args.model,
+        "width": args.width,
+        "image_size": args.image_size,
+        "batch_size": args.batch_size,
+        **(shape if args.model == "gpt" else {}),
+    }
 
-    return chain_of({"model": args.model, "width": args.width, "image_size": args.image_size})
+
+def blocks_of(args):
+    return chain_of(spec_of(args))
+
+
+def _gpt_rates(args, chain, samples_per_s) -> str:
+    """Tokens/s, model TFLOP/s and (with --peak-tflops) MFU of a GPT row."""
+    tokens = samples_per_s * args.context
+    flops = 6 * sum(chain.costs) / args.context * tokens  # 2 per multiply-add, x3 with backward
+    mfu = f" | {100 * flops / (1e12 * args.peak_tflops):.1f}" if args.peak_tflops else ""
+    return f" | {tokens:.0f} | {flops / 1e12:.3g}{mfu}"
 
 
 def serve(argv):
@@ -187,10 +224,7 @@ def across(args):
     ceiling = balance.speedup_ceiling(costs, cuts)
     method = "fdg" if "fdg" in args.methods else args.methods[0]
     spec = {
-        "model": args.model,
-        "width": args.width,
-        "image_size": args.image_size,
-        "batch_size": args.batch_size,
+        **spec_of(args),
         "method": method,
         "fused": False,
         "stages": k,
@@ -224,11 +258,7 @@ def across(args):
 
 
 def _batch(args):
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    images = rng.normal(size=(args.batch_size, args.image_size, args.image_size, 3))
-    return (images.astype(np.float32), rng.integers(0, 10, args.batch_size).astype(np.int32))
+    return example_batch(spec_of(args))
 
 
 def main(argv=None):
@@ -258,11 +288,17 @@ def main(argv=None):
     ks = args.stages or list(range(1, min(4, len(devices)) + 1))
     if max(ks) > len(devices):
         print(f"# {max(ks)} stages on {len(devices)} device(s): stages share devices")
-    rng = np.random.default_rng(0)
-    images = rng.normal(size=(args.batch_size, args.image_size, args.image_size, 3))
-    batch = (images.astype(np.float32), rng.integers(0, 10, args.batch_size).astype(np.int32))
+    batch = _batch(args)
 
-    print(f"# dgrad benchmark: {args.model}, batch {args.batch_size}, {args.image_size}px images")
+    if args.model == "gpt":
+        print(
+            f"# dgrad benchmark: GPT of {args.layers} blocks, d={args.dim}, {args.heads} heads, "
+            f"batch {args.batch_size} x {args.context} bytes"
+        )
+    else:
+        print(
+            f"# dgrad benchmark: {args.model}, batch {args.batch_size}, {args.image_size}px images"
+        )
     print(
         f"# {platform.node()} | {platform.processor() or platform.machine()} | {cpu_cores} "
         f"cores | {len(devices)} x {devices[0].device_kind} | jax {jax.__version__}"
@@ -370,6 +406,8 @@ def main(argv=None):
         "host CPU ms/step | cores busy | device busy % | idle % [ideal bubble] | "
         "state MiB per device | records MiB at peak |"
     )
+    if args.model == "gpt":
+        columns += " tokens/s | model TFLOP/s |" + (" MFU % |" if args.peak_tflops else "")
     print()
     print(columns)
     print("|" + "|".join("---" for _ in columns.split("|")[1:-1]) + "|")
@@ -387,6 +425,7 @@ def main(argv=None):
             + " ".join(f"{b / 2**20:.1f}" for b in memory.values())
             + " | "
             + (" ".join(f"{b / 2**20:.1f}" for b in records.values()) or "-")
+            + (_gpt_rates(args, chain, np.median(rates)) if args.model == "gpt" else "")
             + " |"
         )
     peaks = bench.peak_memory(devices)

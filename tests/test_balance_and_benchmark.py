@@ -128,6 +128,9 @@ def test_the_quick_mode_sets_defaults_that_given_flags_change():
         (["--batch-size=0"], "--batch-size must be positive"),
         (["--batch-size=3", "--data-parallel=1,2"], "does not split between 2 replicas"),
         (["--stages=0,2"], "--stages values must be positive"),
+        (["--model=gpt", "--methods=dgl"], "--methods dgl: its auxiliary heads classify images"),
+        (["--model=gpt", "--dim=10", "--heads=4"], "--dim 10 must be a multiple of --heads 4"),
+        (["--model=gpt", "--context=0"], "--context must be positive"),
     ],
 )
 def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
@@ -191,3 +194,41 @@ def test_the_benchmark_across_processes_prints_every_case_and_the_moves():
     assert rows[0].split("|")[3].strip() == "1.00 [1.00-1.00]"
     assert re.search(r"# moves between the processes: \d+\.\d\d ms/step", output), output
     assert "# predicted ceiling (sum of stage costs / slowest stage): " in output
+
+
+@pytest.mark.slow
+def test_the_gpt_benchmark_counts_tokens_and_model_flops():
+    """Each row's tokens/s is its samples/s times the context, and its MFU its model FLOP/s
+    over the peak given."""
+    status, output = run_command(
+        [
+            sys.executable,
+            "-m",
+            "experiments.benchmark",
+            "--model=gpt",
+            "--layers=2",
+            "--dim=16",
+            "--heads=2",
+            "--context=8",
+            "--batch-size=8",
+            "--stages=1,2",
+            "--methods=fdg",
+            "--split=balanced",
+            "--windows=2",
+            "--steps=2",
+            "--peak-tflops=0.01",
+        ],
+        timeout=600,
+        cwd=ROOT,
+    )
+    lines = output.splitlines()
+    header = next(line for line in lines if line.startswith("| configuration"))
+    columns = [c.strip() for c in header.split("|")[1:-1]]
+    assert columns[-3:] == ["tokens/s", "model TFLOP/s", "MFU %"], header
+    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| ") and line != header]
+    rows = [[c.strip() for c in row] for row in rows if "---" not in row[0]]
+    assert [(row[0], row[1]) for row in rows][-2:] == [("bp staged", "2"), ("fdg", "2")]
+    for row in rows:
+        samples = float(row[3].split()[0])
+        assert float(row[-3]) == pytest.approx(8 * samples, rel=2e-3, abs=1), row
+        assert float(row[-1]) == pytest.approx(100 * float(row[-2]) / 0.01, rel=0.02), row
