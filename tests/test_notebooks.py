@@ -17,6 +17,7 @@ SMALL = {  # what the tests set after each notebook's parameters cell
     "optax.ipynb": "EPOCHS = 2",
     "speed.ipynb": "STEPS = 3",
     "staleness.ipynb": "EPOCHS = 1\nSEEDS = (0,)\nSTAGES = (2,)\nPROBE_STAGES = 2",
+    "language_model.ipynb": 'VARIANT = "smoke"\nPROBE_EVERY = 4\nSAMPLE_LENGTH = 40',
 }
 
 

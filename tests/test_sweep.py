@@ -204,3 +204,17 @@ def test_the_table_before_any_run_has_finished_and_with_tuple_values():
 def test_a_nan_value_that_fits_nothing_is_refused_not_crashed_on():
     with pytest.raises(SweepError, match="learning_rate=nan fits no combination"):
         expand(fields.base(), parse_grid("optimizer.learning_rate=0.1,nan"))
+
+
+def test_a_language_models_table_gives_bits_per_byte():
+    from dgrad.train.sweep import _table
+
+    row = dict(method="fdg", seed=0, epochs=2, finished=True, final_test_accuracy=0.3)
+    rows = [
+        {**row, "final_test_bits_per_byte": 2.5},
+        {**row, "seed": 1, "final_test_bits_per_byte": 2.25},
+    ]
+    table, _ = _table(rows, ["method", "seed"])
+    assert table.splitlines()[0] == "| method | test bits per byte |"
+    assert "| fdg | 2.375 [2.250-2.500] (n=2) |" in table
+    assert "Final test bits per byte: median" in table

@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -379,6 +379,12 @@ class Sweep:
                     "final_test_accuracy": epochs[-1]["test_accuracy"],
                     "best_test_accuracy": max(r["test_accuracy"] for r in epochs),
                     "final_train_loss": epochs[-1].get("train_loss", math.nan),
+                    "final_test_loss": epochs[-1].get("test_loss", math.nan),
+                    **(
+                        {"final_test_bits_per_byte": epochs[-1]["test_bits_per_byte"]}
+                        if "test_bits_per_byte" in epochs[-1]
+                        else {}
+                    ),
                     "samples_per_second": steps * config.batch_size / seconds,
                     "wall_seconds": seconds,
                 }
@@ -415,15 +421,44 @@ class Sweep:
         table, groups = _table(rows, list(self.grid))
         with open(paths["md"], "w") as f:
             f.write(table)
-        _plot_accuracy_against_stages(
-            groups, list(self.grid), paths["png"], f"{self.config_name}: {self.base.dataset}"
+        _plot_against_stages(
+            groups,
+            list(self.grid),
+            paths["png"],
+            f"{self.config_name}: {self.base.dataset}",
+            quantity_of(rows),
         )
         return paths
 
 
+class Quantity(NamedTuple):
+    """What a sweep's table and plot show: a row field, its title, its scale and digits."""
+
+    field: str
+    title: str
+    scale: float
+    digits: int
+
+
+ACCURACY = Quantity("final_test_accuracy", "test accuracy %", 100.0, 2)
+BITS_PER_BYTE = Quantity("final_test_bits_per_byte", "test bits per byte", 1.0, 3)
+
+
+def quantity_of(rows) -> Quantity:
+    """Bits per byte when every run is a language model's (lower is better), else accuracy.
+
+    >>> quantity_of([{"final_test_accuracy": 0.2, "final_test_bits_per_byte": 2.5}]).title
+    'test bits per byte'
+    >>> quantity_of([{"final_test_accuracy": 0.9}]).title
+    'test accuracy %'
+    """
+    return BITS_PER_BYTE if rows and all(BITS_PER_BYTE.field in r for r in rows) else ACCURACY
+
+
 def _table(rows, names) -> tuple[str, dict]:
-    """Median [min-max] of the final test accuracy (%) over seeds: a row per setting of the
-    other fields, a column per K."""
+    """Median [min-max] over seeds of the final test accuracy (%), or of the test bits per
+    byte for language models: a row per setting of the other fields, a column per K."""
+    quantity = quantity_of(rows)
     column = "num_stages" if "num_stages" in names else None
     row_fields = [n for n in names if n not in ("seed", column)]
     groups: dict[tuple, dict[Any, list[float]]] = {}
@@ -433,14 +468,14 @@ def _table(rows, names) -> tuple[str, dict]:
             continue
         key = tuple(row[n] for n in row_fields)
         groups.setdefault(key, {}).setdefault(row.get(column), []).append(
-            100 * row["final_test_accuracy"]
+            quantity.scale * row[quantity.field]
         )
     columns = sorted({c for cells in groups.values() for c in cells}, key=lambda c: (c is None, c))
     heading = " | ".join(row_fields) or "setting"
     columns = columns or [None]  # no run finished yet: the table's frame, empty
     lines = [
         f"| {heading} | "
-        + " | ".join("test accuracy %" if c is None else f"K={c}" for c in columns)
+        + " | ".join(quantity.title if c is None else f"K={c}" for c in columns)
         + " |",
         "|" + "---|" * (max(len(row_fields), 1) + len(columns)),
     ]
@@ -453,11 +488,12 @@ def _table(rows, names) -> tuple[str, dict]:
                 entries.append("")
                 continue
             entries.append(
-                f"{np.median(values):.2f} [{min(values):.2f}-{max(values):.2f}] (n={len(values)})"
+                f"{np.median(values):.{quantity.digits}f} [{min(values):.{quantity.digits}f}-"
+                f"{max(values):.{quantity.digits}f}] (n={len(values)})"
             )
         lines.append(f"| {label} | " + " | ".join(entries) + " |")
     note = (
-        "\nFinal test accuracy in %: median [min-max] over seeds (n runs) per setting."
+        f"\nFinal {quantity.title}: median [min-max] over seeds (n runs) per setting."
         + ("" if column is None else " Columns: K stages.")
         + "\n"
     )
@@ -470,7 +506,7 @@ def _table(rows, names) -> tuple[str, dict]:
     return "\n".join(lines) + "\n" + note, groups
 
 
-def _plot_accuracy_against_stages(groups, names, path, title) -> None:
+def _plot_against_stages(groups, names, path, title, quantity: Quantity) -> None:
     from matplotlib.figure import Figure
 
     row_fields = [n for n in names if n not in ("seed", "num_stages")]
@@ -484,7 +520,7 @@ def _plot_accuracy_against_stages(groups, names, path, title) -> None:
         positions = [x if x is not None else 1 for x in xs]
         label = ", ".join(f"{n}={v}" for n, v in zip(row_fields, key)) or "all"
         axes.errorbar(positions, medians, yerr=[low, high], marker="o", capsize=3, label=label)
-    axes.set(xlabel="K (stages)", ylabel="final test accuracy % (median, min-max)", title=title)
+    axes.set(xlabel="K (stages)", ylabel=f"final {quantity.title} (median, min-max)", title=title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7)
     figure.tight_layout()
