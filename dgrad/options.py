@@ -23,6 +23,18 @@ import math
 import numbers
 
 METHODS = ("bp", "ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
+TITLES = {"gpipe": "GPipe", "pipedream": "PipeDream", "2bw": "PipeDream-2BW"}  # else upper case
+
+
+def method_title(method: str) -> str:
+    """The method's name as its papers write it.
+
+    >>> method_title("fdg"), method_title("gpipe"), method_title("2bw")
+    ('FDG', 'GPipe', 'PipeDream-2BW')
+    """
+    return TITLES.get(method, method.upper())
+
+
 MICROBATCHED = ("gpipe", "1f1b", "2bw")  # split each batch into `microbatches`
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")

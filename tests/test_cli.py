@@ -109,6 +109,20 @@ def test_an_unprepared_dataset_says_how_to_prepare_it(tmp_path):
     assert "--config.dataset=synthetic" in error
 
 
+def test_an_unprepared_text_dataset_says_how_to_prepare_it(tmp_path):
+    status, output = cli(
+        "--config=experiments/configs/lm_stdlib.py:smoke",
+        "--config.dataset=tiny_shakespeare",
+        f"--config.data_dir={tmp_path}",
+        f"--workdir={tmp_path / 'run'}",
+        timeout=120,
+    )
+    assert status == 2 and "Traceback" not in output and "WARNING" not in output, output
+    (error,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert "tfds build tiny_shakespeare --file_format=array_record" in error
+    assert "--config.dataset=stdlib" in error
+
+
 def test_help_lists_every_field_and_exits_0():
     status, output = cli("--help", timeout=60)
     assert status == 0

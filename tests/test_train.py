@@ -467,6 +467,59 @@ def test_smoke_paper_config_trains_on_mock_cifar(tmp_path):
     assert (tmp_path / "curves.png").exists()
 
 
+@pytest.mark.slow
+def test_a_tfds_text_dataset_trains_the_gpt_and_keeps_its_bytes_beside_the_data(tmp_path):
+    config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
+    config.dataset, config.data_dir = "tiny_shakespeare", str(tmp_path / "tfds")
+    config.num_epochs, config.steps_per_epoch, config.batch_size = 1, 4, 8
+    config.eval_examples, config.eval_batch_size = 16, 8
+    with tfds.testing.mock_data(num_examples=200, policy=tfds.testing.MockPolicy.USE_CODE):
+        results = train(config, tmp_path / "run", log=quiet)
+    assert sorted(results) == ["BP (fused)", "FDG K=2"]
+    for record in results.values():
+        assert record["corpus_tfds"] == "tiny_shakespeare" and record["corpus_feature"] == "text"
+        assert np.isfinite(record["test_bits_per_byte"])
+    kept = sorted(p.name for p in (tmp_path / "tfds" / "dgrad_bytes").iterdir())
+    assert kept == ["tiny_shakespeare-1.0.0-test-text.npy", "tiny_shakespeare-1.0.0-train-text.npy"]
+
+
+@pytest.mark.parametrize(
+    "name, shape, method, stages",
+    [
+        ("lm_asyncpp", (8, 768, 12, 512), "pipedream", 8),
+        ("lm_gpt2_small", (12, 768, 12, 1024), "fdg", 4),
+    ],
+)
+def test_the_gpu_language_model_configs_hold_their_settings(name, shape, method, stages):
+    config, _ = load_config(str(ROOT / f"experiments/configs/{name}.py"))
+    fields.check(config)
+    model = (config.model.depth, config.model.width, config.model.heads, config.context)
+    assert model == shape and (config.method, config.num_stages) == (method, stages)
+    assert config.dataset == "lm1b" and config.optimizer.clip_norm == 1.0
+    smoke, _ = load_config(str(ROOT / f"experiments/configs/{name}.py:smoke"))
+    fields.check(smoke)
+    assert (smoke.method, smoke.num_stages, smoke.dataset) == (method, stages, "lm1b")
+
+
+@pytest.mark.slow
+def test_the_asyncpp_smoke_config_trains_on_mock_lm1b(tmp_path):
+    """Eight stages of the asynchronous pipeline with the delay-dependent Nesterov optimizer."""
+    config, _ = load_config(str(ROOT / "experiments/configs/lm_asyncpp.py:smoke"))
+    config.data_dir, config.num_epochs, config.steps_per_epoch = str(tmp_path / "tfds"), 1, 4
+    with tfds.testing.mock_data(num_examples=300, policy=tfds.testing.MockPolicy.USE_CODE):
+        results = train(config, tmp_path / "run", log=quiet)
+    assert sorted(results) == ["BP (fused)", "PipeDream K=8"]
+    assert all(np.isfinite(r["test_bits_per_byte"]) for r in results.values())
+
+
+def test_a_tfds_text_feature_that_is_not_there_is_named_with_the_features(tmp_path):
+    from dgrad import data
+
+    with tfds.testing.mock_data(num_examples=4, policy=tfds.testing.MockPolicy.USE_CODE):
+        with pytest.raises(data.DatasetNotFoundError, match="no feature 'body'.*\\(text\\)"):
+            data.load("tiny_shakespeare:body", data_dir=str(tmp_path), context=8)
+
+
 def test_the_language_model_config_trains_fdg_beside_bp_in_tokens(tmp_path):
     config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
     results = train(config, tmp_path, log=quiet)
@@ -481,7 +534,7 @@ def test_the_language_model_config_trains_fdg_beside_bp_in_tokens(tmp_path):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (dict(model__name="mlp"), "text \\(dataset stdlib\\) trains model gpt"),
+        (dict(model__name="mlp"), "text \\(stdlib, a tfds text dataset\\) trains model gpt"),
         (dict(method="dgl"), "DGL's auxiliary heads pool images"),
         (dict(model__heads=3), "use a divisor of model.width"),
         (dict(optimizer__name="lamb"), "choose one of: sgd, adamw, muon, async_nesterov"),

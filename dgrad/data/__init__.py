@@ -23,10 +23,29 @@ from dgrad.data.augment import Transform
 from dgrad.data.digits import load_digits
 from dgrad.data.mnist1d import load_mnist1d
 from dgrad.data.stream import Source, Stream, eval_batches
-from dgrad.data.text import Windows, stdlib_corpus
+from dgrad.data.text import TFDS_TEXT, Windows, stdlib_corpus, text_feature, tfds_corpus
 from dgrad.data.tfds_source import DatasetNotFoundError, TfdsSource
 
-DATASETS = ("digits", "mnist1d", "synthetic", "cifar10", "cifar100", "imagenet2012", "stdlib")
+DATASETS = (
+    "digits",
+    "mnist1d",
+    "synthetic",
+    "cifar10",
+    "cifar100",
+    "imagenet2012",
+    "stdlib",
+    *TFDS_TEXT,
+)
+
+
+def is_text(name: str) -> bool:
+    """Whether dataset `name` is text (token windows for a GPT): stdlib, a tfds text dataset
+    of `TFDS_TEXT`, or any tfds dataset's text feature as `NAME:FEATURE`.
+
+    >>> is_text("stdlib"), is_text("tiny_shakespeare"), is_text("ptb:text"), is_text("cifar10")
+    (True, True, True, False)
+    """
+    return name == "stdlib" or text_feature(name) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +91,9 @@ def load(
     and raise `DatasetNotFoundError`, saying how to prepare them, when absent.
     `"stdlib"` is text: this interpreter's standard library source as bytes
     (`dgrad.data.text.stdlib_corpus`), in windows of `context` tokens whose
-    labels are the next tokens; `num_classes` is its vocabulary (256).
+    labels are the next tokens; `num_classes` is its vocabulary (256). A tfds text
+    dataset (`tiny_shakespeare`, `lm1b`, or `NAME:FEATURE`) is read the same way as
+    bytes (`dgrad.data.text.tfds_corpus`), once prepared like CIFAR.
 
     >>> ds = load("digits")
     >>> ds.name, ds.num_classes, ds.input_shape
@@ -112,8 +133,8 @@ def load(
             train.num_classes,
             (32, 32, 3),
         )
-    if name == "stdlib":
-        corpus = stdlib_corpus()
+    if is_text(name):
+        corpus = stdlib_corpus() if name == "stdlib" else tfds_corpus(*text_feature(name), data_dir)
         train, test = Windows(corpus.train, context), Windows(corpus.test, context)
         return Dataset(
             name,
@@ -143,6 +164,7 @@ def load(
 
 __all__ = [
     "DATASETS",
+    "is_text",
     "Dataset",
     "DatasetNotFoundError",
     "Split",
@@ -158,4 +180,5 @@ __all__ = [
     "load_mnist1d",
     "stdlib_corpus",
     "synthetic",
+    "tfds_corpus",
 ]

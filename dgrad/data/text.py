@@ -134,3 +134,73 @@ def stdlib_corpus() -> Corpus:
         return np.frombuffer(b"".join(texts), np.uint8)
 
     return Corpus(joined(train), joined(test), 256, fingerprint)
+
+
+TFDS_TEXT = {"tiny_shakespeare": "text", "lm1b": "text"}  # tfds text datasets: their feature
+
+
+def text_feature(name: str) -> tuple[str, str] | None:
+    """The tfds dataset and text feature a dataset name stands for (None: not tfds text):
+    a name of `TFDS_TEXT`, or any tfds dataset as `NAME:FEATURE`.
+
+    >>> text_feature("tiny_shakespeare"), text_feature("wiki40b/en:text"), text_feature("cifar10")
+    (('tiny_shakespeare', 'text'), ('wiki40b/en', 'text'), None)
+    """
+    if name in TFDS_TEXT:
+        return name, TFDS_TEXT[name]
+    dataset, colon, feature = name.partition(":")
+    return (dataset, feature) if colon and dataset and feature else None
+
+
+def tfds_corpus(name: str, feature: str = "text", data_dir: str | None = None) -> Corpus:
+    """The text feature of a prepared tfds dataset as bytes (UTF-8), its examples joined by
+    newlines: the train split for training, and its test split (else validation) for test.
+    Read once, then kept beside the data as `<data_dir>/dgrad_bytes/*.npy`.
+
+    >>> import tensorflow_datasets as tfds, tempfile
+    >>> with tfds.testing.mock_data(num_examples=3, policy=tfds.testing.MockPolicy.USE_CODE):
+    ...     corpus = tfds_corpus("tiny_shakespeare", data_dir=tempfile.mkdtemp())
+    >>> corpus.vocab_size, corpus.train.dtype, corpus.fingerprint["tfds"], corpus.train.size > 0
+    (256, dtype('uint8'), 'tiny_shakespeare', True)
+    """
+    from dgrad.data.tfds_source import DatasetNotFoundError, default_data_dir, open_split
+
+    data_dir = data_dir or default_data_dir()
+    train_source = open_split(name, "train", data_dir)
+    splits = train_source.dataset_info.splits
+    test_split = "validation" if splits and "test" not in splits else "test"
+    version = str(train_source.dataset_info.version)
+    if feature not in train_source.dataset_info.features:
+        features = ", ".join(train_source.dataset_info.features)
+        raise DatasetNotFoundError(
+            f"Dataset {name} has no feature {feature!r}; name one of its features ({features}) "
+            f"as {name}:FEATURE"
+        )
+
+    def read(split, source):
+        cache = pathlib.Path(data_dir, "dgrad_bytes", f"{name}-{version}-{split}-{feature}.npy")
+        if cache.exists():
+            return np.load(cache)
+        texts = []
+        for index in range(len(source)):
+            value = source[index][feature]
+            texts.append(value if isinstance(value, bytes) else str(value).encode())
+        array = np.frombuffer(b"\n".join(texts), np.uint8)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache.with_suffix(".partial.npy")
+        np.save(partial, array)
+        partial.rename(cache)  # whole or absent: a stopped read leaves no half cache
+        return array
+
+    train = read("train", train_source)
+    test = read(test_split, open_split(name, test_split, data_dir))
+    digest = hashlib.sha256(train.tobytes() + b"\0" + test.tobytes()).hexdigest()[:16]
+    fingerprint = {
+        "tfds": name,
+        "version": version,
+        "feature": feature,
+        "bytes": int(train.size + test.size),
+        "test_bytes": int(test.size),
+        "sha256": digest,
+    }
+    return Corpus(train, test, 256, fingerprint)

@@ -78,6 +78,41 @@ def _prepared(name: str, data_dir: str) -> bool:
     return any(".array_record" in file for _, _, files in os.walk(root) for file in files)
 
 
+def open_split(name: str, split: str, data_dir: str | None = None):
+    """`tfds.data_source` of one prepared split, or `DatasetNotFoundError` saying how to
+    prepare it (tfds's own error when it is prepared but unreadable).
+
+    >>> import tensorflow_datasets as tfds
+    >>> with tfds.testing.mock_data(num_examples=3, policy=tfds.testing.MockPolicy.USE_CODE):
+    ...     len(open_split("tiny_shakespeare", "train"))
+    3
+    """
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as error:
+        raise DatasetNotFoundError(
+            f"Reading {name!r} needs tensorflow-datasets: pip install 'dgrad[data]'."
+        ) from error
+    data_dir = data_dir or default_data_dir()
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # tfds warns about every folder it did not find
+    try:
+        return tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    except Exception as error:  # noqa: BLE001 -- tfds raises many kinds here
+        if not _prepared(name, data_dir):
+            raise DatasetNotFoundError(
+                f"Dataset {name} is not prepared in {data_dir}; {how_to_prepare(name, data_dir)}."
+            ) from None
+        said = " ".join(str(error).split())
+        raise DatasetNotFoundError(
+            f"Dataset {name} (split {split}) in {data_dir} could not be read "
+            f"({type(error).__name__}: {said}); {how_to_prepare(name, data_dir)}."
+        ) from None
+    finally:
+        absl_logger.setLevel(level)
+
+
 class TfdsSource:
     """One split of a tfds dataset: `len`, and `get(indices)` -> `(images, labels)`.
 
@@ -93,31 +128,7 @@ class TfdsSource:
     """
 
     def __init__(self, name: str, split: str, data_dir: str | None = None):
-        try:
-            import tensorflow_datasets as tfds
-        except ImportError as error:
-            raise DatasetNotFoundError(
-                f"Reading {name!r} needs tensorflow-datasets: pip install 'dgrad[data]'."
-            ) from error
-        data_dir = data_dir or default_data_dir()
-        absl_logger = logging.getLogger("absl")
-        level = absl_logger.level
-        absl_logger.setLevel(logging.ERROR)  # tfds warns about every folder it did not find
-        try:
-            self._source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
-        except Exception as error:  # noqa: BLE001 -- tfds raises many kinds here
-            if not _prepared(name, data_dir):
-                raise DatasetNotFoundError(
-                    f"Dataset {name} is not prepared in {data_dir}; "
-                    f"{how_to_prepare(name, data_dir)}."
-                ) from None
-            said = " ".join(str(error).split())
-            raise DatasetNotFoundError(
-                f"Dataset {name} (split {split}) in {data_dir} could not be read "
-                f"({type(error).__name__}: {said}); {how_to_prepare(name, data_dir)}."
-            ) from None
-        finally:
-            absl_logger.setLevel(level)
+        self._source = open_split(name, split, data_dir)
         self.name, self.split = name, split
         self.num_classes = int(self._source.dataset_info.features["label"].num_classes)
 

@@ -283,7 +283,8 @@ def _train(args, config, name: str, stop: StopRequests) -> int:
     except (SetupError, data.DatasetNotFoundError) as error:
         hint = ""
         if isinstance(error, data.DatasetNotFoundError):
-            hint = "; or try the run on synthetic data: --config.dataset=synthetic"
+            offline = "stdlib" if data.is_text(config.dataset) else "synthetic"
+            hint = f"; or try the run on offline data: --config.dataset={offline}"
         print(f"error: {str(error).rstrip('.')}{hint}", file=sys.stderr, flush=True)
         return 2
     except FloatingPointError as error:

@@ -31,8 +31,8 @@ from typing import Any
 import ml_collections
 from ml_collections import config_dict
 
-from dgrad.data import DATASETS
-from dgrad.options import PLACEMENTS, Options
+from dgrad.data import DATASETS, is_text
+from dgrad.options import PLACEMENTS, Options, method_title
 
 MODELS = ("cifar_resnet", "wide_resnet", "mlp", "cnn1d", "gpt")
 OPTIMIZERS = ("sgd", "adamw", "muon", "async_nesterov")
@@ -68,7 +68,7 @@ def _option(name: str, kind: type | None = None, **kwargs) -> Field:
 
 
 FIELDS = (
-    Field("dataset", "cifar10", f"one of {', '.join(DATASETS)}"),
+    Field("dataset", "cifar10", f"one of {', '.join(DATASETS)}, or a tfds text as NAME:FEATURE"),
     Field(
         "data_dir",
         "",
@@ -215,7 +215,7 @@ def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
     ['fdg_k2', 'bp_fused']
     """
     k, m = config.num_stages, config.microbatches
-    label, title = f"{config.method}_k{k}", f"{config.method.upper()} K={k}"
+    label, title = f"{config.method}_k{k}", f"{method_title(config.method)} K={k}"
     if m not in (None, 1):
         label, title = f"{label}_m{m}", f"{title} M={m}"
     runs = [Run(label, title, config.method, k, False)]
@@ -412,6 +412,8 @@ def check(config: ml_collections.ConfigDict) -> None:
         "baseline": ("", "bp"),
     }
     for name, allowed in choices.items():
+        if name == "dataset" and is_text(values[name]):
+            continue
         if values[name] not in allowed:
             _fail(name, values[name], "choose one of: " + ", ".join(a or "''" for a in allowed))
     positive = ("num_stages", "batch_size", "num_epochs", "eval_batch_size", "log_every_steps")
@@ -440,12 +442,12 @@ def check(config: ml_collections.ConfigDict) -> None:
         _fail("optimizer.weight_decay", values["optimizer.weight_decay"], "use 0 or more")
     if not values["optimizer.clip_norm"] >= 0 or math.isinf(values["optimizer.clip_norm"]):
         _fail("optimizer.clip_norm", values["optimizer.clip_norm"], "use a norm > 0, or 0 for none")
-    text, model = values["dataset"] == "stdlib", values["model.name"] == "gpt"
+    text, model = is_text(values["dataset"]), values["model.name"] == "gpt"
     if text != model:
         _fail(
             "model.name",
             values["model.name"],
-            "text (dataset stdlib) trains model gpt, and gpt trains on text",
+            "text (stdlib, a tfds text dataset) trains model gpt, and gpt trains on text",
         )
     if model and values["method"] == "dgl":
         _fail("method", "dgl", "DGL's auxiliary heads pool images; gpt has none, use another")
