@@ -531,6 +531,28 @@ def test_the_language_model_config_trains_fdg_beside_bp_in_tokens(tmp_path):
         assert record["test_loss"] < np.log(256)  # better than guessing among 256 bytes
 
 
+@pytest.mark.slow
+def test_subword_tokens_train_the_gpt_and_are_kept_for_the_next_run(tmp_path):
+    """A BPE of 512 tokens trained on the training split: the model predicts 512 tokens,
+    bits per byte count the test split's bytes per token, and a second run reuses it."""
+    config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
+    config.tokenizer, config.vocab_size, config.data_dir = "bpe", 512, str(tmp_path / "data")
+    config.num_epochs, config.baseline = 1, ""
+    (record,) = train(config, tmp_path / "first", log=quiet).values()
+    per_byte = record["corpus_test_tokens"] / record["corpus_test_bytes"]
+    assert 0.2 < per_byte < 0.6  # subwords of 2-5 bytes
+    assert record["test_bits_per_byte"] == pytest.approx(record["test_loss"] / np.log(2) * per_byte)
+    saved = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "data" / "dgrad_tokens").iterdir()}
+    assert sorted(p.rsplit(".", 1)[1] for p in saved) == ["json", "npy", "npy"]
+    stages = build.build_stages(config, 2, build.load_dataset(config))
+    assert stages[-1].layers[-1].logits.out_features == 512
+    (again,) = train(config, tmp_path / "second", log=quiet).values()
+    assert again["test_loss"] == record["test_loss"]  # the same tokens, the same run
+    assert {
+        p.name: p.stat().st_mtime_ns for p in (tmp_path / "data" / "dgrad_tokens").iterdir()
+    } == saved
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
@@ -539,6 +561,9 @@ def test_the_language_model_config_trains_fdg_beside_bp_in_tokens(tmp_path):
         (dict(model__heads=3), "use a divisor of model.width"),
         (dict(optimizer__name="lamb"), "choose one of: sgd, adamw, muon, async_nesterov"),
         (dict(optimizer__clip_norm=-1.0), "use a norm > 0, or 0 for none"),
+        (dict(tokenizer="wordpiece"), "choose one of: bytes, bpe"),
+        (dict(tokenizer="bpe", vocab_size=200), "use more than 256 and at most 65536 tokens"),
+        (dict(tokenizer="bpe", dataset="digits", model__name="mlp"), "tokenizes text"),
     ],
 )
 def test_bad_language_model_settings_name_the_field(overrides, message):

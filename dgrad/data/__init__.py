@@ -38,6 +38,23 @@ DATASETS = (
 )
 
 
+def token_cache(name: str, data_dir: str | None) -> str:
+    """Where a text's BPE tokenizer and tokens are kept: `data_dir/dgrad_tokens`, for a tfds
+    text by default in its data folder, for stdlib by default in `~/.cache/dgrad`.
+
+    >>> token_cache("stdlib", "/data"), token_cache("stdlib", None).endswith(".cache/dgrad")
+    ('/data/dgrad_tokens', True)
+    """
+    import os
+
+    from dgrad.data.tfds_source import default_data_dir
+
+    if data_dir is None and name == "stdlib":
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(home, "dgrad")
+    return os.path.join(data_dir or default_data_dir(), "dgrad_tokens")
+
+
 def is_text(name: str) -> bool:
     """Whether dataset `name` is text (token windows for a GPT): stdlib, a tfds text dataset
     of `TFDS_TEXT`, or any tfds dataset's text feature as `NAME:FEATURE`.
@@ -80,6 +97,8 @@ def load(
     synthetic_shape: tuple[int, ...] = (32, 32, 3),
     synthetic_examples: int = 4096,
     context: int = 256,
+    tokenizer: str = "bytes",
+    vocab_size: int = 4096,
 ) -> Dataset:
     """The dataset `name`, one of `DATASETS`.
 
@@ -93,7 +112,9 @@ def load(
     (`dgrad.data.text.stdlib_corpus`), in windows of `context` tokens whose
     labels are the next tokens; `num_classes` is its vocabulary (256). A tfds text
     dataset (`tiny_shakespeare`, `lm1b`, or `NAME:FEATURE`) is read the same way as
-    bytes (`dgrad.data.text.tfds_corpus`), once prepared like CIFAR.
+    bytes (`dgrad.data.text.tfds_corpus`), once prepared like CIFAR. With
+    `tokenizer="bpe"` a text is in the tokens of a byte-level BPE of `vocab_size`
+    trained on its training split (`dgrad.data.bpe`), kept in `token_cache`.
 
     >>> ds = load("digits")
     >>> ds.name, ds.num_classes, ds.input_shape
@@ -135,6 +156,10 @@ def load(
         )
     if is_text(name):
         corpus = stdlib_corpus() if name == "stdlib" else tfds_corpus(*text_feature(name), data_dir)
+        if tokenizer == "bpe":
+            from dgrad.data.bpe import bpe_corpus
+
+            corpus = bpe_corpus(corpus, vocab_size, token_cache(name, data_dir))
         train, test = Windows(corpus.train, context), Windows(corpus.test, context)
         return Dataset(
             name,

@@ -39,6 +39,8 @@ def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
         seed=config.seed,
         image_size=config.image_size,
         context=config.context,
+        tokenizer=config.tokenizer,
+        vocab_size=config.vocab_size,
     )
 
 

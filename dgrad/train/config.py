@@ -88,6 +88,13 @@ FIELDS = (
     Field("model.heads", 4, "gpt: attention heads (model.depth: blocks, model.width: dim)"),
     Field("context", 256, "text datasets (stdlib): tokens per window, the gpt's context"),
     Field(
+        "tokenizer",
+        "bytes",
+        "text: bytes (256 tokens) or bpe (a byte-level BPE of vocab_size trained on the "
+        "training split with Hugging Face tokenizers, kept in the data folder)",
+    ),
+    Field("vocab_size", 4096, "text with tokenizer=bpe: the BPE's vocabulary"),
+    Field(
         "split",
         "authors",
         "where the model is cut into stages: authors (the papers' cuts), balanced (equal "
@@ -449,6 +456,12 @@ def check(config: ml_collections.ConfigDict) -> None:
             values["model.name"],
             "text (stdlib, a tfds text dataset) trains model gpt, and gpt trains on text",
         )
+    if values["tokenizer"] not in ("bytes", "bpe"):
+        _fail("tokenizer", values["tokenizer"], "choose one of: bytes, bpe")
+    if values["tokenizer"] == "bpe" and not text:
+        _fail("tokenizer", "bpe", "tokenizes text: use it with stdlib or a tfds text dataset")
+    if values["tokenizer"] == "bpe" and not 256 < values["vocab_size"] <= 1 << 16:
+        _fail("vocab_size", values["vocab_size"], "use more than 256 and at most 65536 tokens")
     if model and values["method"] == "dgl":
         _fail("method", "dgl", "DGL's auxiliary heads pool images; gpt has none, use another")
     if model and (values["model.width"] % values["model.heads"] or values["context"] < 1):

@@ -176,14 +176,20 @@ def text_metrics(
     {'test_perplexity': 4.0, 'test_bits_per_byte': 2.0, 'tokens_per_second': 500.0}
     >>> text_metrics({"seconds": 1.0}, 10, {"python": "3.11.7"})["corpus_python"]
     '3.11.7'
+    >>> bpe = {"test_tokens": 250, "test_bytes": 1000}  # 4 bytes a token: a quarter of the bits
+    >>> text_metrics({"test_loss": math.log(16), "seconds": 1.0}, 10, bpe)["test_bits_per_byte"]
+    1.0
     """
-    metrics = {}
+    metrics, fingerprint = {}, fingerprint or {}
     for split in ("train", "test"):
         if f"{split}_loss" in record:
+            per_byte = 1.0  # byte-level tokens; subwords: the split's tokens per byte
+            if f"{split}_tokens" in fingerprint:
+                per_byte = fingerprint[f"{split}_tokens"] / fingerprint[f"{split}_bytes"]
             metrics[f"{split}_perplexity"] = math.exp(record[f"{split}_loss"])
-            metrics[f"{split}_bits_per_byte"] = record[f"{split}_loss"] / math.log(2)
+            metrics[f"{split}_bits_per_byte"] = record[f"{split}_loss"] / math.log(2) * per_byte
     metrics["tokens_per_second"] = tokens_per_epoch / record["seconds"]
-    metrics.update({f"corpus_{name}": value for name, value in (fingerprint or {}).items()})
+    metrics.update({f"corpus_{name}": value for name, value in fingerprint.items()})
     return metrics
 
 
