@@ -21,7 +21,7 @@ CONFIG = str(ROOT / "experiments/configs/digits_mlp.py")
     [
         (
             "method=bp,ddg num_stage=2",
-            "num_stage is not a config field; did you mean --config.num_stages",
+            "num_stage is not a config field; did you mean num_stages\\?",
         ),
         ("num_stages=two", "num_stages=two: expected int"),
         ("", "--grid is empty"),

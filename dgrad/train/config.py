@@ -280,6 +280,20 @@ def nearest_field(name: str) -> str | None:
     return match[0] if match else None
 
 
+def unknown_field(name: str, prefix: str = "") -> str:
+    """The one line for a `name` that is no field, written and corrected as the user wrote
+    it (`prefix`: "--config." on the command line, "config." in code).
+
+    >>> unknown_field("num_stage", "--config.")
+    '--config.num_stage is not a config field; did you mean --config.num_stages?'
+    >>> unknown_field("xyz")
+    'xyz is not a config field; --help lists them'
+    """
+    near = nearest_field(name)
+    hint = f"did you mean {prefix}{near}?" if near else "--help lists them"
+    return f"{prefix}{name} is not a config field; {hint}"
+
+
 def parse_value(name: str, text: str) -> Any:
     """Field `name`'s value written as `text` on a command line (ValueError saying what
     the field takes, or the nearest field's name).
@@ -293,15 +307,11 @@ def parse_value(name: str, text: str) -> Any:
     >>> parse_value("num_stage", "4")
     Traceback (most recent call last):
     ...
-    ValueError: num_stage is not a config field; did you mean --config.num_stages?
+    ValueError: num_stage is not a config field; did you mean num_stages?
     """
     by_name = {f.name: f for f in FIELDS}
     if name not in by_name:
-        near = nearest_field(name)
-        raise ValueError(
-            f"{name} is not a config field"
-            + (f"; did you mean --config.{near}?" if near else "; --help lists them")
-        )
+        raise ValueError(unknown_field(name))
     field = by_name[name]
     expected = field.kind if field.default is None else type(field.default)
     try:
@@ -354,6 +364,8 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
         name, equals, text = override.removeprefix("--config.").partition("=")
         if not equals:
             raise ValueError(f"{override}: give a value, as in --config.{name}=VALUE")
+        if name not in FIELD_NAMES:
+            raise ValueError(unknown_field(name, "--config."))
         try:
             set_field(config, name, parse_value(name, text))
         except ValueError as error:
@@ -395,11 +407,7 @@ def check(config: ml_collections.ConfigDict) -> None:
     values = flatten(config)
     for name in values:
         if name not in FIELD_NAMES:
-            near = nearest_field(name)
-            raise ValueError(
-                f"config.{name} is not a config field"
-                + (f"; did you mean {near}?" if near else "; --help lists them.")
-            )
+            raise ValueError(unknown_field(name, "config."))
     for field in FIELDS:
         value = values[field.name]
         expected = field.kind if field.default is None else type(field.default)

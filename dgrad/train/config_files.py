@@ -73,9 +73,9 @@ def _mistake_in(path: str, error: Exception, spec: str | None = None) -> str:
     text = str(error)
     missing = re.search(r'Key "([^"]+)" does not exist', text)
     if missing:  # ml_collections' message carries a dump of the whole config
-        meant = re.search(r'Did you mean "([^"]+)"', text)
-        hint = f"; did you mean {meant.group(1)}?" if meant else " (--help lists them)"
-        return f"{where}: {missing.group(1)} is not a config field{hint}"
+        from dgrad.train.config import unknown_field
+
+        return f"{where}: {unknown_field(missing.group(1))}"
     message = text.strip().splitlines()[0][:300] if text.strip() else ""
     kind = "" if isinstance(error, ValueError) else f"{type(error).__name__}: "
     return f"{where}: {kind}{message}".rstrip(": ")
