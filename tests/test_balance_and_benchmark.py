@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
-from helpers import ROOT, assert_equal, run_command
+from helpers import ROOT, assert_equal
+from processes import run_command
 
 import dgrad
 from dgrad import balance, benchmark, models

@@ -8,7 +8,8 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, kill_tree, run_command
+from helpers import ROOT
+from processes import kill_tree, run_command
 
 from dgrad.train import metrics
 

@@ -8,7 +8,8 @@ import time
 import nbclient
 import nbformat
 import pytest
-from helpers import ROOT, run_command
+from helpers import ROOT
+from processes import run_command
 
 NOTEBOOK_SECONDS = 1200
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

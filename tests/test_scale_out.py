@@ -17,16 +17,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import (
-    ROOT,
-    SMOOTH_OPTIMIZER,
-    assert_close,
-    batches,
-    build_pipeline,
-    input_shape,
-    kill_tree,
-    run_command,
-)
+from helpers import ROOT, SMOOTH_OPTIMIZER, assert_close, batches, build_pipeline, input_shape
+from processes import kill_tree, run_command
 
 import dgrad
 from dgrad import data

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 import pytest
-from helpers import ROOT, run_command
+from helpers import ROOT
+from processes import run_command
 
 from dgrad.stress import LAYOUTS
 
@@ -65,7 +66,7 @@ def test_a_signal_stops_the_whole_stress_with_the_table_so_far():
     import subprocess
     import time
 
-    from helpers import descendants, kill_tree, outliving
+    from processes import descendants, kill_tree, outliving
 
     process = subprocess.Popen(
         [*STRESS, "--runs=3", "--methods=fdg", "--layouts=2x1"],

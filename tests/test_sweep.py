@@ -8,7 +8,8 @@ import sys
 import time
 
 import pytest
-from helpers import ROOT, descendants, kill_tree, outliving, run_command
+from helpers import ROOT
+from processes import descendants, kill_tree, outliving, run_command
 
 from dgrad.train import config as fields
 from dgrad.train.sweep import Sweep, SweepError, expand, parse_grid

@@ -17,7 +17,8 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, descendants, kill_tree, outliving, run_command
+from helpers import ROOT
+from processes import descendants, kill_tree, outliving, run_command
 
 from dgrad.distributed import launch_local
 from dgrad.train.watchdog import STALLED, TEST_STALL_ENV
