@@ -26,7 +26,7 @@ import dataclasses
 import difflib
 import math
 import numbers
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import ml_collections
 from ml_collections import config_dict
@@ -40,10 +40,45 @@ SCHEDULES = ("piecewise", "cosine", "constant")
 SPLITS = ("authors", "balanced", "auto")
 
 
+class Rule(NamedTuple):
+    """What a field's value must satisfy on its own, and the fix a refused value is told.
+
+    >>> POSITIVE.holds(0), POSITIVE.fix
+    (False, 'use a positive integer')
+    """
+
+    holds: Callable[[Any], bool]
+    fix: str
+
+
+def one_of(*allowed: str) -> Rule:
+    """A field that takes one of `allowed`.
+
+    >>> one_of("bytes", "bpe").fix
+    'choose one of: bytes, bpe'
+    """
+    return Rule(
+        lambda value: value in allowed, "choose one of: " + ", ".join(a or "''" for a in allowed)
+    )
+
+
+def finite(holds: Callable[[float], bool], fix: str) -> Rule:
+    """A number that also must not be infinite (nor NaN: `holds` must be true of it)."""
+    return Rule(lambda value: holds(value) and not math.isinf(value), fix)
+
+
+POSITIVE = Rule(lambda value: value >= 1, "use a positive integer")
+NONNEGATIVE = Rule(lambda value: value >= 0, "use 0 or more")
+ALL_OR_POSITIVE = Rule(
+    lambda value: value == -1 or value > 0, "use a positive integer, or -1 for the whole split"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
-    """One config field: `name` (dotted when nested), default, meaning, and whether a
-    resumed run may change it (it changes how the run is watched or fed, not its numbers).
+    """One config field: `name` (dotted when nested), default, meaning, whether a resumed
+    run may change it (it changes how the run is watched or fed, not its numbers), and the
+    `rule` its value must satisfy on its own (rules between fields are `check`'s).
 
     >>> by_name = {field.name: field for field in FIELDS}
     >>> by_name["log_every_steps"]  # a resumed run may log at another pace
@@ -57,6 +92,7 @@ class Field:
     help: str
     kind: type | None = None  # the type of a field whose default is None
     resumable: bool = False
+    rule: Rule | None = dataclasses.field(default=None, repr=False)  # checked by `check`
 
 
 _OPTIONS = {f.name: f for f in dataclasses.fields(Options)}
@@ -68,15 +104,22 @@ def _option(name: str, kind: type | None = None, **kwargs) -> Field:
 
 
 FIELDS = (
-    Field("dataset", "cifar10", f"one of {', '.join(DATASETS)}, or a tfds text as NAME:FEATURE"),
+    Field(
+        "dataset",
+        "cifar10",
+        f"one of {', '.join(DATASETS)}, or a tfds text as NAME:FEATURE",
+        rule=Rule(
+            lambda name: name in DATASETS or is_text(name), "choose one of: " + ", ".join(DATASETS)
+        ),
+    ),
     Field(
         "data_dir",
         "",
         "where tfds datasets are prepared ('' = $TFDS_DATA_DIR or ~/tensorflow_datasets)",
         resumable=True,
     ),
-    Field("image_size", 224, "side of the ImageNet crops"),
-    Field("model.name", "cifar_resnet", f"one of {', '.join(MODELS)}"),
+    Field("image_size", 224, "side of the ImageNet crops", rule=POSITIVE),
+    Field("model.name", "cifar_resnet", f"one of {', '.join(MODELS)}", rule=one_of(*MODELS)),
     Field(
         "model.depth",
         56,
@@ -92,16 +135,23 @@ FIELDS = (
         "bytes",
         "text: bytes (256 tokens) or bpe (a byte-level BPE of vocab_size trained on the "
         "training split with Hugging Face tokenizers, kept in the data folder)",
+        rule=one_of("bytes", "bpe"),
     ),
-    Field("vocab_size", 4096, "text with tokenizer=bpe: the BPE's vocabulary"),
+    Field(
+        "vocab_size",
+        4096,
+        "text with tokenizer=bpe: the BPE's vocabulary",
+        rule=Rule(lambda size: 256 < size <= 1 << 16, "use more than 256 and at most 65536 tokens"),
+    ),
     Field(
         "split",
         "authors",
         "where the model is cut into stages: authors (the papers' cuts), balanced (equal "
         "multiply-adds) or auto (authors' where they give one, else balanced)",
+        rule=one_of(*SPLITS),
     ),
     _option("method"),
-    Field("num_stages", 2, "K, the number of pipeline stages"),
+    Field("num_stages", 2, "K, the number of pipeline stages", rule=POSITIVE),
     _option("beta"),
     _option("weights", kind=str),
     _option("memory", kind=str),
@@ -115,44 +165,89 @@ FIELDS = (
         f"how stages and their replicas map onto devices: {', '.join(PLACEMENTS)} "
         "(see dgrad.placement)",
         resumable=True,
+        rule=one_of(*PLACEMENTS),
     ),
     Field(
         "baseline",
         "",
         "bp: also train fused backprop (data parallel over the same D devices) beside the "
         "run; empty: do not",
+        rule=one_of("", "bp"),
     ),
-    Field("batch_size", 128, "the global batch, split between the data_parallel replicas"),
-    Field("num_epochs", 300, "epochs to train (change it on a finished run with --extend)"),
-    Field("steps_per_epoch", -1, "batches per epoch (-1: every full batch of the train split)"),
-    Field("eval_examples", -1, "test examples evaluated each epoch (-1: the whole test split)"),
-    Field("eval_batch_size", 500, "evaluation batch", resumable=True),
-    Field("seed", 0, "fixes the weights, the data order and the augmentation"),
+    Field(
+        "batch_size",
+        128,
+        "the global batch, split between the data_parallel replicas",
+        rule=POSITIVE,
+    ),
+    Field(
+        "num_epochs",
+        300,
+        "epochs to train (change it on a finished run with --extend)",
+        rule=POSITIVE,
+    ),
+    Field(
+        "steps_per_epoch",
+        -1,
+        "batches per epoch (-1: every full batch of the train split)",
+        rule=ALL_OR_POSITIVE,
+    ),
+    Field(
+        "eval_examples",
+        -1,
+        "test examples evaluated each epoch (-1: the whole test split)",
+        rule=ALL_OR_POSITIVE,
+    ),
+    Field("eval_batch_size", 500, "evaluation batch", resumable=True, rule=POSITIVE),
+    Field(
+        "seed",
+        0,
+        "fixes the weights, the data order and the augmentation",
+        rule=NONNEGATIVE,
+    ),
     Field(
         "optimizer.name",
         "sgd",
         "sgd (momentum, coupled weight decay), adamw (optax.adamw, decoupled weight decay) "
         "muon (optax.contrib.muon on matrices, AdamW on the rest) or async_nesterov "
         "(NAdamW whose momentum grows with each stage's staleness, Ajanthan et al. 2025)",
+        rule=one_of(*OPTIMIZERS),
     ),
-    Field("optimizer.learning_rate", 0.1, "learning rate"),
+    Field(
+        "optimizer.learning_rate",
+        0.1,
+        "learning rate",
+        rule=finite(lambda rate: rate > 0, "use a positive rate"),
+    ),
     Field(
         "optimizer.clip_norm",
         0.0,
         "clip each stage's gradient to this global norm, each stage by its own (0: none)",
+        rule=finite(lambda norm: norm >= 0, "use a norm > 0, or 0 for none"),
     ),
-    Field("optimizer.momentum", 0.9, "SGD momentum (0: none)"),
+    Field(
+        "optimizer.momentum",
+        0.9,
+        "SGD momentum (0: none)",
+        rule=Rule(lambda momentum: 0 <= momentum < 1, "use a value in [0, 1)"),
+    ),
     Field(
         "optimizer.nesterov",
         None,
         "Nesterov momentum; unset: the authors' choice (DDG's code used it, FDG's did not)",
         kind=bool,
     ),
-    Field("optimizer.weight_decay", 5e-4, "coupled weight decay, added to the gradient"),
+    Field(
+        "optimizer.weight_decay",
+        5e-4,
+        "coupled weight decay, added to the gradient",
+        rule=finite(lambda decay: decay >= 0, "use 0 or more"),
+    ),
     Field(
         "optimizer.schedule",
         "piecewise",
         f"learning-rate schedule: {', '.join(SCHEDULES)} (counted in each stage's own updates)",
+        rule=one_of(*SCHEDULES),
     ),
     Field(
         "optimizer.boundaries",
@@ -161,31 +256,44 @@ FIELDS = (
         "authors' 150, 225 (and 275 for FDG)",
         kind=tuple,
     ),
-    Field("optimizer.decay", 0.1, "piecewise: factor at each boundary"),
+    Field(
+        "optimizer.decay",
+        0.1,
+        "piecewise: factor at each boundary",
+        rule=finite(lambda factor: factor > 0, "use a positive factor"),
+    ),
     Field(
         "optimizer.warmup_epochs",
         None,
         "epochs of linear warm-up from lr/100 (schedules count data steps); unset: 5 with "
         "accumulate > 1 (the ADL authors' code), else 0",
         kind=int,
+        rule=NONNEGATIVE,
     ),
-    Field("log_every_steps", 50, "steps between train-metric records", resumable=True),
+    Field(
+        "log_every_steps", 50, "steps between train-metric records", resumable=True, rule=POSITIVE
+    ),
     Field(
         "checkpoint_every_steps",
         0,
         "steps between checkpoints (0: only at epoch ends)",
         resumable=True,
+        rule=NONNEGATIVE,
     ),
-    Field("keep_checkpoints", 2, "newest checkpoints kept", resumable=True),
+    Field("keep_checkpoints", 2, "newest checkpoints kept", resumable=True, rule=POSITIVE),
     Field(
         "stall_timeout",
         -1.0,
         "seconds without a finished step before a run stops itself with status 75 (-1: 10x "
         "the slowest step so far, at least 300 s; 0: never)",
         resumable=True,
+        rule=Rule(
+            lambda s: s in (-1, 0) or 0 < s < math.inf,
+            "use seconds > 0, 0 (never) or -1 (follow the run)",
+        ),
     ),
-    Field("prefetch", 4, "batches prepared ahead", resumable=True),
-    Field("data_workers", 4, "threads preparing batches", resumable=True),
+    Field("prefetch", 4, "batches prepared ahead", resumable=True, rule=POSITIVE),
+    Field("data_workers", 4, "threads preparing batches", resumable=True, rule=POSITIVE),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
@@ -417,46 +525,10 @@ def check(config: ml_collections.ConfigDict) -> None:
             continue
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
             _fail(field.name, value, f"expected a {expected.__name__}")
-    choices = {
-        "dataset": DATASETS,
-        "model.name": MODELS,
-        "optimizer.name": OPTIMIZERS,
-        "split": SPLITS,
-        "placement": PLACEMENTS,
-        "optimizer.schedule": SCHEDULES,
-        "baseline": ("", "bp"),
-    }
-    for name, allowed in choices.items():
-        if name == "dataset" and is_text(values[name]):
-            continue
-        if values[name] not in allowed:
-            _fail(name, values[name], "choose one of: " + ", ".join(a or "''" for a in allowed))
-    positive = ("num_stages", "batch_size", "num_epochs", "eval_batch_size", "log_every_steps")
-    for name in (*positive, "keep_checkpoints", "prefetch", "data_workers", "image_size"):
-        if values[name] < 1:
-            _fail(name, values[name], "use a positive integer")
-    for name in ("steps_per_epoch", "eval_examples"):
-        if values[name] == 0 or values[name] < -1:
-            _fail(name, values[name], "use a positive integer, or -1 for the whole split")
-    if values["checkpoint_every_steps"] < 0:
-        _fail("checkpoint_every_steps", values["checkpoint_every_steps"], "use 0 or more")
-    if values["seed"] < 0:
-        _fail("seed", values["seed"], "use 0 or more")
-    stall = values["stall_timeout"]
-    if not (stall in (-1, 0) or 0 < stall < math.inf):
-        _fail("stall_timeout", stall, "use seconds > 0, 0 (never) or -1 (follow the run)")
-    if not values["optimizer.learning_rate"] > 0 or math.isinf(values["optimizer.learning_rate"]):
-        _fail("optimizer.learning_rate", values["optimizer.learning_rate"], "use a positive rate")
-    if not values["optimizer.decay"] > 0 or math.isinf(values["optimizer.decay"]):
-        _fail("optimizer.decay", values["optimizer.decay"], "use a positive factor")
-    if not 0 <= values["optimizer.momentum"] < 1:
-        _fail("optimizer.momentum", values["optimizer.momentum"], "use a value in [0, 1)")
-    if values["optimizer.warmup_epochs"] is not None and values["optimizer.warmup_epochs"] < 0:
-        _fail("optimizer.warmup_epochs", values["optimizer.warmup_epochs"], "use 0 or more")
-    if not values["optimizer.weight_decay"] >= 0 or math.isinf(values["optimizer.weight_decay"]):
-        _fail("optimizer.weight_decay", values["optimizer.weight_decay"], "use 0 or more")
-    if not values["optimizer.clip_norm"] >= 0 or math.isinf(values["optimizer.clip_norm"]):
-        _fail("optimizer.clip_norm", values["optimizer.clip_norm"], "use a norm > 0, or 0 for none")
+    for field in FIELDS:
+        value = values[field.name]
+        if field.rule is not None and value is not None and not field.rule.holds(value):
+            _fail(field.name, value, field.rule.fix)
     text, model = is_text(values["dataset"]), values["model.name"] == "gpt"
     if text != model:
         _fail(
@@ -464,12 +536,8 @@ def check(config: ml_collections.ConfigDict) -> None:
             values["model.name"],
             "text (stdlib, a tfds text dataset) trains model gpt, and gpt trains on text",
         )
-    if values["tokenizer"] not in ("bytes", "bpe"):
-        _fail("tokenizer", values["tokenizer"], "choose one of: bytes, bpe")
     if values["tokenizer"] == "bpe" and not text:
         _fail("tokenizer", "bpe", "tokenizes text: use it with stdlib or a tfds text dataset")
-    if values["tokenizer"] == "bpe" and not 256 < values["vocab_size"] <= 1 << 16:
-        _fail("vocab_size", values["vocab_size"], "use more than 256 and at most 65536 tokens")
     if model and values["method"] == "dgl":
         _fail("method", "dgl", "DGL's auxiliary heads pool images; gpt has none, use another")
     if model and (values["model.width"] % values["model.heads"] or values["context"] < 1):
