@@ -38,9 +38,8 @@ import jax
 class Event:
     """One stage function's run on a device; times in seconds from the timeline's start.
 
-    >>> event = Event(device=0, stage=1, name="loss_step", step=3, start=0.25, end=0.5)
-    >>> event.end - event.start
-    0.25
+    >>> Event(device=0, stage=1, name="loss_step", step=3, start=0.25, end=0.75).seconds
+    0.5
     """
 
     device: int
@@ -49,6 +48,11 @@ class Event:
     step: int
     start: float
     end: float
+
+    @property
+    def seconds(self) -> float:
+        """How long the call ran."""
+        return self.end - self.start
 
 
 class Timeline:
@@ -178,7 +182,7 @@ class Timeline:
         span = max(e.end for e in self.events) - min(e.start for e in self.events)
         busy = {}
         for e in self.events:
-            busy[e.device] = busy.get(e.device, 0.0) + (e.end - e.start)
+            busy[e.device] = busy.get(e.device, 0.0) + e.seconds
         return {d: b / span for d, b in sorted(busy.items())}
 
     def chrome_trace(self, path) -> None:
@@ -199,7 +203,7 @@ class Timeline:
                 "name": e.name,
                 "ph": "X",
                 "ts": 1e6 * e.start,
-                "dur": 1e6 * (e.end - e.start),
+                "dur": 1e6 * e.seconds,
                 "pid": e.device,
                 "tid": e.stage,
                 "args": {"step": e.step},
@@ -243,7 +247,7 @@ class Timeline:
             for e in (e for e in self.events if e.device == device):
                 kind = next((k for k in colours if e.name.startswith(k)), "fused")
                 ax.broken_barh(
-                    [(1e3 * e.start, 1e3 * (e.end - e.start))],
+                    [(1e3 * e.start, 1e3 * e.seconds)],
                     (row - 0.4, 0.8),
                     facecolors=colours[kind],
                     edgecolor="white",
