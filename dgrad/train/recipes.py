@@ -100,8 +100,8 @@ def with_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collecti
 
 def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Shrinks `config` in place to a CPU-sized run of the same method and data: ResNet-20
-    or WRN-16-2 with a balanced split (the authors' splits exist only at full depth), 2
-    epochs of 8 batches of 32, 256 test images.
+    or WRN-16-2 with a balanced split (the authors' splits exist only at full depth), a GPT
+    of d = 32 over windows of 32 tokens, 2 epochs of 8 batches of 32, 256 test examples.
 
     >>> config = smoke(base())
     >>> config.model.depth, config.split, config.num_epochs, config.steps_per_epoch
@@ -111,6 +111,9 @@ def smoke(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         config.model.depth = 20
     elif config.model.name == "wide_resnet":
         config.model.depth, config.model.widen = 16, 2
+    elif config.model.name == "gpt":  # a block per stage (at least 2), d = 32, context 32
+        config.model.depth = max(2, config.num_stages)
+        config.model.width, config.model.heads, config.context = 32, 2, 32
     config.split = "balanced"
     config.batch_size = 32
     config.num_epochs = 2

@@ -40,12 +40,4 @@ def get_config(variant: str = ""):
     config.optimizer.warmup_epochs = 2
     config.optimizer.clip_norm = 1.0
     config.log_every_steps = 50
-    if variant == "smoke":
-        config.context = 32
-        config.model.depth, config.model.width, config.model.heads = 4, 32, 2
-        config.batch_size, config.eval_batch_size = 16, 16
-        config.num_epochs, config.steps_per_epoch = 2, 8
-        config.eval_examples = 64
-        config.log_every_steps = 4
-        return config
     return recipes.with_variant(config, variant)

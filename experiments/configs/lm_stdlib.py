@@ -34,11 +34,4 @@ def get_config(variant: str = ""):
     config.optimizer.warmup_epochs = 1
     config.optimizer.clip_norm = 1.0
     config.log_every_steps = 20
-    if variant == "smoke":
-        config.context = 32
-        config.model.depth, config.model.width, config.model.heads = 2, 32, 2
-        config.num_epochs, config.steps_per_epoch = 2, 8
-        config.eval_examples = 128
-        config.log_every_steps = 4
-        return config
     return recipes.with_variant(config, variant)
