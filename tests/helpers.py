@@ -77,8 +77,9 @@ def num_steps(num_stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(model, num_stages, method, weights="stash", beta=1.0, optimizer=optimizer):
-    """The reference run of a test model on its standard data stream."""
+def reference(model, num_stages, method, weights="stash", beta=1.0, optimizer=optimizer, **options):
+    """The reference run of a test model on its standard data stream, with `method` and any
+    of `reference_run`'s options (cached: a run is a pure function of its arguments)."""
     data = batches(model, num_steps(num_stages))
     return reference_run(
         build_stages(model, num_stages),
@@ -87,6 +88,7 @@ def reference(model, num_stages, method, weights="stash", beta=1.0, optimizer=op
         optimizer=optimizer,
         beta=beta,
         weights=weights,
+        **options,
     )
 
 
@@ -106,9 +108,18 @@ def layouts(num_stages: int, replicas: int | None = None) -> dict[str, dict]:
     return found
 
 
-def build_pipeline(model: str, num_stages: int, **kwargs) -> dgrad.Pipeline:
-    """The one way the tests make a pipeline: a test model, the test optimizer, `kwargs`."""
-    return dgrad.Pipeline(build_stages(model, num_stages), **{"optimizer": optimizer, **kwargs})
+def layouts_and_optimizers(num_stages: int, replicas: int | None = None):
+    """(name, layout, optimizer) of every layout of `layouts`: the test optimizer, and on
+    replicated layouts the smooth one (see SMOOTH_OPTIMIZER)."""
+    for name, layout in layouts(num_stages, replicas).items():
+        yield name, layout, SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+
+
+def build_pipeline(model: str, num_stages: int, stages=None, **kwargs) -> dgrad.Pipeline:
+    """The one way the tests make a pipeline: a test model (or its `stages` as given, e.g.
+    with auxiliary heads), the test optimizer, `kwargs`."""
+    stages = build_stages(model, num_stages) if stages is None else stages
+    return dgrad.Pipeline(stages, **{"optimizer": optimizer, **kwargs})
 
 
 def run_pipeline(model, num_stages, steps=None, data=None, **kwargs):
@@ -155,21 +166,14 @@ def assert_matches_reference(state, history, ref, rtol=RTOL, atol=ATOL):
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def reference_of(model, num_stages, **kwargs):
-    """The reference run of a test model on its standard data stream (any options)."""
-    data = batches(model, num_steps(num_stages))
-    return reference_run(build_stages(model, num_stages), data, **kwargs)
-
-
 def check_on_layouts(model, num_stages, method, names=None, memory="residuals", **options):
     """The pipeline of `method` with `options` (and `memory`) matches the reference on every
     layout of `layouts(num_stages, replicas=2)` (or those `names`d); replicated layouts use
     the smooth optimizer (see SMOOTH_OPTIMIZER)."""
-    for name, layout in layouts(num_stages, replicas=2).items():
+    for name, layout, tx in layouts_and_optimizers(num_stages, replicas=2):
         if names and name not in names:
             continue
-        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
-        ref = reference_of(model, num_stages, method=method, optimizer=tx, **options)
+        ref = reference(model, num_stages, method=method, optimizer=tx, **options)
         _, state, history = run_pipeline(
             model, num_stages, method=method, memory=memory, optimizer=tx, **options, **layout
         )

@@ -8,13 +8,13 @@ import optax
 import pytest
 from helpers import (
     NUM_CLASSES,
-    SMOOTH_OPTIMIZER,
     assert_close,
     assert_equal,
     assert_matches_reference,
     batches,
     build_stages,
     input_shape,
+    layouts_and_optimizers,
     num_steps,
     optimizer,
     params_of,
@@ -29,36 +29,14 @@ from dgrad.train import export
 from dgrad.train.checkpoint import Checkpointer
 
 
-def layouts(num_stages):
-    """Name -> (layout, optimizer): one device, one per stage, and for K <= 2 every stage
-    replicated over the 4 devices (with the same SGD on every stage, see helpers)."""
-    found = {
-        "one device": (dict(devices=jax.devices()[:1]), optimizer),
-        "a device per stage": (dict(devices=jax.devices()[:num_stages]), optimizer),
-    }
-    if num_stages <= 2:
-        replicas = len(jax.devices()) // num_stages
-        found[f"{replicas} replicas per stage"] = (
-            dict(devices=jax.devices(), data_parallel=replicas),
-            SMOOTH_OPTIMIZER,
-        )
-    return found
-
-
 def dgl_stages(model, num_stages):
     example = jnp.zeros(input_shape(model))
     return models.with_aux_heads(build_stages(model, num_stages), NUM_CLASSES, example)
 
 
 def run_dgl(model, num_stages, data=None, **kwargs):
-    data = data or batches(model, num_steps(num_stages))
-    kwargs = {"optimizer": optimizer, **kwargs}
-    pipe = dgrad.Pipeline(dgl_stages(model, num_stages), method="dgl", **kwargs)
-    state, history = pipe.init(data[0]), []
-    for batch in data:
-        state, metrics = pipe.step(state, batch)
-        history.append(metrics)
-    return pipe, state, history
+    stages = dgl_stages(model, num_stages)
+    return run_pipeline(model, num_stages, data=data, stages=stages, method="dgl", **kwargs)
 
 
 SIZES = [
@@ -77,7 +55,7 @@ SIZES = [
 def test_features_replay_is_its_papers_rule_and_a_preset_of_ddg(model, num_stages):
     """The paper's rule, written out module by module in the reference, equals the
     engine's fr, which is bit for bit ddg with current weights and recomputation."""
-    for layout, tx in layouts(num_stages).values():
+    for _, layout, tx in layouts_and_optimizers(num_stages):
         ref = reference(model, num_stages, "fr", optimizer=tx)
         _, state, history = run_pipeline(model, num_stages, method="fr", optimizer=tx, **layout)
         assert_matches_reference(state, history, ref)
@@ -99,7 +77,7 @@ def test_features_replay_is_its_papers_rule_and_a_preset_of_ddg(model, num_stage
 @pytest.mark.parametrize("model, num_stages", SIZES)
 def test_dgl_matches_the_greedy_reference(model, num_stages):
     data = batches(model, num_steps(num_stages))
-    for layout, tx in layouts(num_stages).values():
+    for _, layout, tx in layouts_and_optimizers(num_stages):
         ref = reference_run(dgl_stages(model, num_stages), data, method="dgl", optimizer=tx)
         _, state, history = run_dgl(model, num_stages, data, optimizer=tx, **layout)
         assert_matches_reference(state, history, ref)

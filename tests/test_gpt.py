@@ -6,13 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import (
-    assert_matches_reference,
-    check_on_layouts,
-    optimizer,
-    reference_of,
-    run_pipeline,
-)
+from helpers import assert_matches_reference, check_on_layouts, optimizer, reference, run_pipeline
 
 from dgrad import models
 
@@ -62,11 +56,9 @@ def test_gpt_stages_match_the_reference(num_stages, method, options):
 
 def test_the_comparison_can_fail_on_the_gpt():
     _, state, history = run_pipeline("gpt", 2, method="fdg", devices=jax.devices()[:2])
-    assert_matches_reference(
-        state, history, reference_of("gpt", 2, method="fdg", optimizer=optimizer)
-    )
+    assert_matches_reference(state, history, reference("gpt", 2, method="fdg", optimizer=optimizer))
     for other in (dict(method="ddg"), dict(method="bp")):
         with pytest.raises(AssertionError):
             assert_matches_reference(
-                state, history, reference_of("gpt", 2, optimizer=optimizer, **other)
+                state, history, reference("gpt", 2, optimizer=optimizer, **other)
             )

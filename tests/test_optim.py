@@ -13,7 +13,7 @@ from helpers import (
     batches,
     build_stages,
     params_of,
-    reference_of,
+    reference,
     run_pipeline,
 )
 
@@ -172,7 +172,7 @@ def test_reads_stale_params_finds_the_transforms_that_use_them():
 def test_delay_compensation_in_the_engine_matches_the_reference(method, memory):
     K = 3
     tx = optax.chain(optim.delay_compensation(2.0), optax.sgd(0.1, momentum=0.9))
-    ref = reference_of("mlp", K, method=method, optimizer=tx)
+    ref = reference("mlp", K, method=method, optimizer=tx)
     _, state, _ = run_pipeline(
         "mlp", K, method=method, memory=memory, optimizer=tx, devices=jax.devices()[:K]
     )
@@ -228,7 +228,7 @@ def test_transforms_plug_into_the_engine_per_stage(transform):
         "accumulate": lambda k: optim.accumulate(optax.sgd(0.1, momentum=0.9), 2),
         "shrink": lambda k: optax.chain(optim.shrink(0.5, K - 1 - k), optax.sgd(0.1)),
     }
-    ref = reference_of(
+    ref = reference(
         "mlp",
         K,
         method="ddg",
@@ -247,7 +247,7 @@ def test_transforms_plug_into_the_engine_per_stage(transform):
 def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, memory):
     K, lr = 3, 0.1
     tx = optax.sgd(lr, momentum=0.9)
-    ref = reference_of(
+    ref = reference(
         "mlp",
         K,
         method=method,
@@ -266,7 +266,7 @@ def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, 
         devices=jax.devices()[:K],
     )
     assert_close(params_of(state), ref.params)
-    plain = reference_of("mlp", K, method=method, optimizer=tx, weights=weights)
+    plain = reference("mlp", K, method=method, optimizer=tx, weights=weights)
     with pytest.raises(AssertionError):  # prediction acted
         assert_close(params_of(state), plain.params)
 

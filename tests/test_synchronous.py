@@ -14,7 +14,7 @@ from helpers import (
     layouts,
     optimizer,
     params_of,
-    reference_of,
+    reference,
     run_pipeline,
 )
 
@@ -127,9 +127,9 @@ def test_the_comparison_can_fail(model, method, microbatches, other):
     _, state, history = run_pipeline(
         model, 2, method=method, microbatches=microbatches, devices=jax.devices()[:2]
     )
-    ref = reference_of(model, 2, method=method, optimizer=optimizer, microbatches=microbatches)
+    ref = reference(model, 2, method=method, optimizer=optimizer, microbatches=microbatches)
     assert_matches_reference(state, history, ref)
-    wrong = reference_of(model, 2, optimizer=optimizer, **other)
+    wrong = reference(model, 2, optimizer=optimizer, **other)
     with pytest.raises(AssertionError):
         assert_matches_reference(state, history, wrong)
 
@@ -218,7 +218,7 @@ def test_pipedream_forwards_and_updates_see_its_weight_versions(num_stages):
         lag = K - 1 - k
         assert forwards[k] == [max(0, i - lag) for i in range(steps)], k
         assert updates[k] == list(range(steps - lag)), k
-    ddg = reference_of("mlp", K, method="ddg", optimizer=optimizer, weights="stash")
+    ddg = reference("mlp", K, method="ddg", optimizer=optimizer, weights="stash")
     assert_close(params_of(state), ddg.params)
 
 
