@@ -23,6 +23,26 @@ def cli(*args, timeout=600, check=False):
 
 
 @pytest.mark.slow
+def test_a_language_model_run_ends_with_its_test_bits_per_byte(tmp_path):
+    workdir = tmp_path / "run"
+    status, output = cli(
+        "--config=experiments/configs/lm_stdlib.py:smoke",
+        "--config.num_epochs=1",
+        f"--workdir={workdir}",
+    )
+    assert status == 0, output[-3000:]
+    summary = output.split("Test loss (bits per byte):")[1].split("Curves:")[0]
+    printed = {
+        line.rsplit(maxsplit=1)[0].strip(): line.split()[-1]
+        for line in summary.splitlines()
+        if line.strip()
+    }
+    for title, run in (("FDG K=2", "fdg_k2"), ("BP (fused)", "bp_fused")):
+        (epoch,) = metrics.read(workdir / run / "metrics.jsonl", "epoch")
+        assert printed[title] == f"{epoch['test_bits_per_byte']:.4f}"
+
+
+@pytest.mark.slow
 def test_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
     workdir = tmp_path / "run"
     status, output = cli(SMOKE, f"--workdir={workdir}")
