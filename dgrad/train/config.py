@@ -63,7 +63,12 @@ def one_of(*allowed: str) -> Rule:
 
 
 def finite(holds: Callable[[float], bool], fix: str) -> Rule:
-    """A number that also must not be infinite (nor NaN: `holds` must be true of it)."""
+    """A number that also must not be infinite (nor NaN: `holds` must be true of it).
+
+    >>> rate = finite(lambda value: value > 0, "use a positive rate")
+    >>> rate.holds(0.1), rate.holds(float("inf")), rate.holds(float("nan"))
+    (True, False, False)
+    """
     return Rule(lambda value: holds(value) and not math.isinf(value), fix)
 
 
