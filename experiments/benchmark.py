@@ -46,6 +46,7 @@ from dgrad.train.cli import OneLineParser
 METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
 MICROBATCHED = ("gpipe", "1f1b", "2bw")
 MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10", "gpt")
+GPT_FLAGS = tuple(name for name in GPT_SHAPE if name != "vocab_size")  # byte-level: 256
 
 
 def parse_args(argv=None):
@@ -53,9 +54,8 @@ def parse_args(argv=None):
     parser.add_argument("--model", choices=MODELS, default="resnet20")
     parser.add_argument("--width", type=int, default=16, help="ResNet channels of group 1")
     parser.add_argument("--image-size", type=int, default=32)
-    for name, value in GPT_SHAPE.items():
-        if name != "vocab_size":
-            parser.add_argument(f"--{name}", type=int, default=value, help=f"GPT {name}")
+    for name in GPT_FLAGS:
+        parser.add_argument(f"--{name}", type=int, default=GPT_SHAPE[name], help=f"GPT {name}")
     parser.add_argument(
         "--peak-tflops", type=float, help="the device's peak TFLOP/s: adds the GPT's MFU"
     )
@@ -126,9 +126,7 @@ def parse_args(argv=None):
         parser.error("--methods dgl: its auxiliary heads classify images; not on --model gpt")
     if args.model == "gpt" and args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be a multiple of --heads {args.heads}")
-    for name in ("width", "image_size", "batch_size", "windows", "steps", *GPT_SHAPE):
-        if name == "vocab_size":
-            continue
+    for name in ("width", "image_size", "batch_size", "windows", "steps", *GPT_FLAGS):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.processes is not None and args.processes < 2:
@@ -157,7 +155,7 @@ def _bubble(case) -> str:
 
 def spec_of(args) -> dict:
     """What `dgrad.benchmark_across` builds the model and its batch from."""
-    shape = {name: getattr(args, name) for name in GPT_SHAPE if name != "vocab_size"}
+    shape = {name: getattr(args, name) for name in GPT_FLAGS}
     return {
         "model": args.model,
         "width": args.width,

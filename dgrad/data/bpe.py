@@ -10,7 +10,7 @@ fingerprint adds the tokenizer and both splits' token counts, which bits per byt
 (loss / ln 2 x tokens / bytes).
 
 >>> import numpy as np, tempfile
->>> from dgrad.data.text import Corpus
+>>> from dgrad.data.text import Corpus, save_whole
 >>> text = np.frombuffer(b"def f(x):\\n    return x + 1\\n" * 200, np.uint8)
 >>> subwords = bpe_corpus(Corpus(text, text[:300], 256, {"sha256": "ab"}), 300, tempfile.mkdtemp())
 >>> subwords.vocab_size <= 300, len(subwords.train) < len(text)  # as many merges as it finds
@@ -25,7 +25,7 @@ import pathlib
 
 import numpy as np
 
-from dgrad.data.text import Corpus
+from dgrad.data.text import Corpus, save_whole
 
 CHUNK_BYTES = 1 << 16  # texts are encoded in pieces cut at newlines, in parallel
 
@@ -119,11 +119,8 @@ def bpe_corpus(corpus: Corpus, vocab_size: int, cache: str | pathlib.Path) -> Co
         tokenizer = train_bpe(corpus.train, vocab_size)
         tokens = {"train": encode(tokenizer, corpus.train), "test": encode(tokenizer, corpus.test)}
         size = tokenizer.get_vocab_size()
-        cache.mkdir(parents=True, exist_ok=True)
         for split, path in arrays.items():
-            partial = path.with_suffix(".partial.npy")
-            np.save(partial, tokens[split])
-            partial.rename(path)
+            save_whole(path, tokens[split])
         tokenizer.save(str(saved) + ".partial")
         pathlib.Path(str(saved) + ".partial").rename(saved)  # last: the arrays are whole
     fingerprint = {

@@ -136,6 +136,22 @@ def stdlib_corpus() -> Corpus:
     return Corpus(joined(train), joined(test), 256, fingerprint)
 
 
+def save_whole(path: pathlib.Path, array: np.ndarray) -> None:
+    """Saves `array` as `path` (.npy), whole or not at all: written beside it, then renamed,
+    so a stopped run leaves no half file for the next one to trust.
+
+    >>> import tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp(), "cache", "tokens.npy")
+    >>> save_whole(path, np.arange(3, dtype=np.uint8))
+    >>> np.load(path), sorted(p.name for p in path.parent.iterdir())
+    (array([0, 1, 2], dtype=uint8), ['tokens.npy'])
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial.npy")
+    np.save(partial, array)
+    partial.rename(path)
+
+
 TFDS_TEXT = {"tiny_shakespeare": "text", "lm1b": "text"}  # tfds text datasets: their feature
 
 
@@ -186,10 +202,7 @@ def tfds_corpus(name: str, feature: str = "text", data_dir: str | None = None) -
             value = source[index][feature]
             texts.append(value if isinstance(value, bytes) else str(value).encode())
         array = np.frombuffer(b"\n".join(texts), np.uint8)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        partial = cache.with_suffix(".partial.npy")
-        np.save(partial, array)
-        partial.rename(cache)  # whole or absent: a stopped read leaves no half cache
+        save_whole(cache, array)
         return array
 
     train = read("train", train_source)

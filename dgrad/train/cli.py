@@ -291,12 +291,11 @@ def _train(args, config, name: str, stop: StopRequests) -> int:
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
     if lead:
-        text = all("test_bits_per_byte" in record for record in results.values())
-        print("\nTest loss (bits per byte):" if text else "\nTest accuracy:")
+        key, heading = "test_accuracy", "Test accuracy"
+        if all("test_bits_per_byte" in record for record in results.values()):  # text
+            key, heading = "test_bits_per_byte", "Test loss (bits per byte)"
+        print(f"\n{heading}:")
         for title, record in results.items():
-            if text:
-                print(f"  {title:24s} {record['test_bits_per_byte']:.4f}")
-            else:
-                print(f"  {title:24s} {record['test_accuracy']:.4f}")
+            print(f"  {title:24s} {record[key]:.4f}")
         print(f"\nCurves: {os.path.join(os.path.abspath(workdir), 'curves.png')}", flush=True)
     return 0

@@ -523,16 +523,14 @@ def check(config: ml_collections.ConfigDict) -> None:
             raise ValueError(unknown_field(name, "config."))
     for field in FIELDS:
         value = values[field.name]
-        expected = field.kind if field.default is None else type(field.default)
         if value is None:
             continue
-        if expected is float and isinstance(value, numbers.Real) and not isinstance(value, bool):
-            continue
-        if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        expected = field.kind if field.default is None else type(field.default)
+        real = expected is float and isinstance(value, numbers.Real) and not isinstance(value, bool)
+        wrong = not isinstance(value, expected) or (expected is int and isinstance(value, bool))
+        if wrong and not real:
             _fail(field.name, value, f"expected a {expected.__name__}")
-    for field in FIELDS:
-        value = values[field.name]
-        if field.rule is not None and value is not None and not field.rule.holds(value):
+        if field.rule is not None and not field.rule.holds(value):
             _fail(field.name, value, field.rule.fix)
     text, model = is_text(values["dataset"]), values["model.name"] == "gpt"
     if text != model:

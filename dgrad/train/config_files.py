@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ml_collections
 
+from dgrad.train.config import unknown_field
+
 
 def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
     """`get_config(variant)` of the config file in `spec` (`FILE` or `FILE:variant`), and
@@ -73,8 +75,6 @@ def _mistake_in(path: str, error: Exception, spec: str | None = None) -> str:
     text = str(error)
     missing = re.search(r'Key "([^"]+)" does not exist', text)
     if missing:  # ml_collections' message carries a dump of the whole config
-        from dgrad.train.config import unknown_field
-
         return f"{where}: {unknown_field(missing.group(1))}"
     message = text.strip().splitlines()[0][:300] if text.strip() else ""
     kind = "" if isinstance(error, ValueError) else f"{type(error).__name__}: "
