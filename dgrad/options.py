@@ -38,6 +38,7 @@ def method_title(method: str) -> str:
 MICROBATCHED = ("gpipe", "1f1b", "2bw")  # split each batch into `microbatches`
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")
+PREDICTIONS = ("momentum", "update")  # see dgrad.optim.prediction
 PLACEMENTS = ("spread", "interleaved", "one_per_device")  # see dgrad.placement
 
 
@@ -118,10 +119,15 @@ class Options:
     fused: bool = _help(
         False, "with method=bp: the whole step as one jitted function on one device group"
     )
-    predict_lr: float | None = _help(
+    predict: str | None = _help(
         None,
-        "forward with weights predicted as many updates ahead as the stage is stale: "
-        "w - tau * predict_lr * momentum (SpecTrain); None = no prediction",
+        "forward with weights predicted as many updates (tau) ahead as the stage is stale: "
+        "momentum (w - tau * predict_lr * the momentum: SpecTrain, for SGD with momentum) or "
+        "update (w + tau * the last update: constant velocity, for any optimizer); unset: no "
+        "prediction (momentum if predict_lr is set)",
+    )
+    predict_lr: float | None = _help(
+        None, "predict=momentum: the learning rate the momentum is scaled by"
     )
     data_parallel: int = _help(
         1,
@@ -169,10 +175,24 @@ class Options:
                 f"method={self.method} takes each gradient at the weights its forward used "
                 "(weight stashing); leave weights unset or use weights=stash."
             )
-        if self.method == "2bw" and self.predict_lr is not None:
+        predict = self.predict or ("momentum" if self.predict_lr is not None else None)
+        if predict is not None:
+            _choice("predict", predict, PREDICTIONS)
+        object.__setattr__(self, "predict", predict)
+        if predict == "momentum" and self.predict_lr is None:
             raise ValueError(
-                "predict_lr is not supported with method=2bw (its forward uses the weights "
-                "of one version before); leave predict_lr unset."
+                "predict=momentum scales the momentum by predict_lr; set predict_lr to the "
+                "optimizer's learning rate."
+            )
+        if predict == "update" and self.predict_lr is not None:
+            raise ValueError(
+                "predict=update repeats the last update as it was (its learning rate is in "
+                "it); leave predict_lr unset."
+            )
+        if self.method == "2bw" and predict is not None:
+            raise ValueError(
+                f"predict={predict} is not supported with method=2bw (its forward uses the "
+                "weights of one version before); leave predict and predict_lr unset."
             )
         presets = {"fr": ("current", "recompute")}
         weights, memory = presets.get(self.method, ("stash", "residuals"))
@@ -220,10 +240,10 @@ class Options:
                 "data_parallel", self.data_parallel, 1, "use -1 to replicate over every device"
             )
         _integer("accumulate", self.accumulate, 1, "use 1 for an update every step")
-        if self.accumulate > 1 and self.predict_lr is not None:
+        if self.accumulate > 1 and self.predict is not None:
             raise ValueError(
-                "predict_lr predicts the weights a number of updates ahead, which accumulate "
-                "changes; use one or the other."
+                f"predict={self.predict} predicts the weights a number of updates ahead, which "
+                "accumulate changes; use one or the other."
             )
         if self.probe_every is not None:
             _integer("probe_every", self.probe_every, 1, "or leave it unset for no probe")

@@ -35,7 +35,7 @@ from flax import nnx
 from dgrad import losses
 from dgrad.optim import accumulate, shrink
 from dgrad.optim.per_stage import Optimizer, for_stage
-from dgrad.optim.prediction import momentum_of
+from dgrad.optim.prediction import momentum_of, remember_update
 from dgrad.options import Options
 from dgrad.placement import Placement, share
 from dgrad.probe import Probe
@@ -106,7 +106,7 @@ class Pipeline:
         output is stage k+1's input, the last stage's output goes to `loss_fn`.
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
-      method, beta, weights, memory, fused, predict_lr, data_parallel, accumulate,
+      method, beta, weights, memory, fused, predict, predict_lr, data_parallel, accumulate,
         probe_every, microbatches: the training options, see `dgrad.options.Options` (also for
         what they mean).
       devices, placement: which devices, and how stages (and their
@@ -139,6 +139,7 @@ class Pipeline:
         weights: str | None = None,
         memory: str | None = None,
         fused: bool = False,
+        predict: str | None = None,
         predict_lr: float | None = None,
         data_parallel: int = 1,
         accumulate: int = 1,
@@ -159,6 +160,7 @@ class Pipeline:
             weights=weights,
             memory=memory,
             fused=fused,
+            predict=predict,
             predict_lr=predict_lr,
             data_parallel=data_parallel,
             accumulate=accumulate,
@@ -207,6 +209,8 @@ class Pipeline:
         every = self.options.accumulate
         if every > 1:
             tx = accumulate(tx, every, total=True)
+        if self.options.predict == "update":
+            tx = remember_update(tx)
         return tx
 
     method = property(lambda self: self.options.method)
@@ -296,7 +300,7 @@ class Pipeline:
             init = jax.jit(fns.optimizer.init, out_shardings=self.placement.replicated(k))
             previous = params if self.schedule.keeps_previous_weights else None
             stages.append(StageState(params, rest, init(params), previous=previous))
-        if self.options.predict_lr is not None:
+        if self.options.predict == "momentum":
             for k, stage in enumerate(stages):
                 if self.schedule.weight_staleness(k) > 0:
                     momentum_of(stage.opt_state)  # raises if the optimizer has no momentum

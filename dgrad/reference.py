@@ -93,6 +93,7 @@ def reference_run(
     beta: float = 1.0,
     weights: str = "stash",
     loss_fn=losses.softmax_cross_entropy,
+    predict: str | None = None,
     predict_lr: float | None = None,
     microbatches: int = 1,
 ) -> ReferenceRun:
@@ -100,9 +101,11 @@ def reference_run(
     parts gpipe, 1f1b and 2bw cut each batch into).
 
     The optimizer is the user's, without the shrinking transform: here
-    shrinking is done to the cotangents instead. With `predict_lr`, a stage
-    forwards with its weights predicted `tau` updates ahead from the momentum
-    in its optimizer state at that moment (tau: its weight staleness).
+    shrinking is done to the cotangents instead. With `predict="momentum"` (or
+    just `predict_lr`), a stage forwards with its weights predicted `tau`
+    updates ahead from the momentum in its optimizer state at that moment (tau:
+    its weight staleness); with `predict="update"`, with its weights moved on
+    `tau` times by the difference of its last two weight versions.
 
     >>> import jax.numpy as jnp, optax
     >>> from dgrad import models
@@ -122,6 +125,7 @@ def reference_run(
         return _microbatched(
             stages, batches, optimizer, loss_fn, microbatches, one_version_old=method == "2bw"
         )
+    predict = predict or ("momentum" if predict_lr is not None else None)
     if method == "pipedream":  # its weight versions are DDG's with stashing
         method, weights = "ddg", "stash"
     K = len(stages)
@@ -167,8 +171,11 @@ def reference_run(
         after_update = 1 if schedule.updates_before_forward(j) else 0
         i = schedule.forward_iteration(j, b) + after_update
         tau = schedule.weight_staleness(j)
-        if predict_lr is None or tau == 0:
+        if predict is None or tau == 0:
             return W[j][i]
+        if predict == "update":
+            last = W[j][i - 1] if i else W[j][i]
+            return jax.tree.map(lambda w, v: w + tau * (w - v), W[j][i], last)
         return predict_weights(W[j][i], opt_history[j][i], tau, predict_lr)
 
     def backward_weights(j, b):

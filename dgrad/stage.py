@@ -53,7 +53,7 @@ import optax
 from flax import nnx, struct
 
 from dgrad.optim.compensation import reads_stale_params
-from dgrad.optim.prediction import predict_weights
+from dgrad.optim.prediction import extrapolate_weights, predict_weights
 from dgrad.options import Options
 
 LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]]
@@ -253,7 +253,7 @@ class StageFunctions:
         self.optimizer = optax.with_extra_args_support(optimizer)
         options = options or Options()
         self.options, self.first, self.loss_fn = options, first, loss_fn
-        self.predict_ahead = staleness if options.predict_lr is not None else 0
+        self.predict_ahead = staleness if options.predict is not None else 0
         self.replicated, self.sharded = replicated, sharded
         reads_stale = reads_stale_params(self.optimizer, self.params)
         if reads_stale and options.accumulate > 1:
@@ -378,6 +378,8 @@ class StageFunctions:
     def _forward_weights(self, params, opt_state):
         if not self.predict_ahead:
             return params
+        if self.options.predict == "update":
+            return extrapolate_weights(params, opt_state, self.predict_ahead)
         return predict_weights(params, opt_state, self.predict_ahead, self.options.predict_lr)
 
     def _forward(self, params, rest, opt_state, x):

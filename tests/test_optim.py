@@ -12,6 +12,7 @@ from helpers import (
     assert_equal,
     batches,
     build_stages,
+    layouts,
     params_of,
     reference,
     run_pipeline,
@@ -271,11 +272,56 @@ def test_weight_prediction_in_the_engine_matches_the_reference(method, weights, 
         assert_close(params_of(state), plain.params)
 
 
+def test_extrapolate_weights_by_hand():
+    tx = optim.remember_update(optax.adam(0.1))
+    params = {"w": jnp.array([1.0, 2.0])}
+    state = tx.init(params)
+    assert jnp.array_equal(optim.extrapolate_weights(params, state, 3)["w"], params["w"])
+    for g in ([1.0, -2.0], [0.5, 1.0]):
+        updates, state = jax.jit(tx.update)({"w": jnp.array(g)}, state, params)
+        before, params = params, optax.apply_updates(params, updates)
+    predicted = jax.jit(optim.extrapolate_weights, static_argnums=2)(params, state, 2)
+    assert jnp.allclose(predicted["w"], params["w"] + 2 * (params["w"] - before["w"]))
+    with pytest.raises(ValueError, match="remember_update"):
+        optim.extrapolate_weights(params, optax.adam(0.1).init(params), 2)
+
+
+def test_remember_update_passes_extra_arguments_on():
+    tx = optim.remember_update(optim.delay_compensation(0.5))
+    params, stale = jnp.array([1.0]), jnp.array([0.0])
+    updates, state = tx.update(jnp.array([2.0]), tx.init(params), params, stale_params=stale)
+    assert jnp.allclose(updates, 2.0 + 0.5 * 2.0 * 2.0 * 1.0)
+    assert jnp.array_equal(state.last_update, updates)
+
+
+@pytest.mark.parametrize("method", ["ddg", "fdg"])
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_extrapolation_in_the_engine_matches_the_reference(method, name):
+    """predict=update (w + tau * last update) on AdamW and Muon, on every layout."""
+    K = 2
+    tx = {"adamw": optax.adamw(1e-2), "muon": optax.contrib.muon(1e-2)}[name]
+    ref = reference("mlp", K, method=method, optimizer=tx, predict="update")
+    plain = reference("mlp", K, method=method, optimizer=tx)
+    for layout in layouts(K).values():
+        _, state, _ = run_pipeline(
+            "mlp", K, method=method, optimizer=tx, predict="update", **layout
+        )
+        assert_close(params_of(state), ref.params)
+        with pytest.raises(AssertionError):  # prediction acted
+            assert_close(params_of(state), plain.params)
+
+
 def test_weight_prediction_needs_momentum_and_a_positive_rate():
     with pytest.raises(ValueError, match="predict_lr must be a positive"):
         run_pipeline("mlp", 2, method="ddg", predict_lr=0.0)
     with pytest.raises(ValueError, match="momentum"):
         run_pipeline("mlp", 2, method="ddg", optimizer=optax.adam(0.1), predict_lr=0.1)
+    with pytest.raises(ValueError, match="set predict_lr"):
+        run_pipeline("mlp", 2, method="ddg", predict="momentum")
+    with pytest.raises(ValueError, match="leave predict_lr unset"):
+        run_pipeline("mlp", 2, method="ddg", predict="update", predict_lr=0.1)
+    with pytest.raises(ValueError, match="Unknown predict 'velocity'"):
+        run_pipeline("mlp", 2, method="ddg", predict="velocity")
 
 
 def test_accumulate_and_staged_delay_pass_stale_params_to_what_they_wrap():

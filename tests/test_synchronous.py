@@ -253,7 +253,7 @@ def test_2bw_is_the_one_step_delay_transform_shifted_by_one_batch():
         (dict(method="gpipe", microbatches=0), "microbatches must be an integer >= 1"),
         (dict(method="2bw", weights="current", memory="recompute"), "weight stashing"),
         (dict(method="pipedream", weights="current", memory="recompute"), "weight stashing"),
-        (dict(method="2bw", predict_lr=0.1), "predict_lr is not supported with method=2bw"),
+        (dict(method="2bw", predict_lr=0.1), "predict=momentum is not supported with method=2bw"),
     ],
 )
 def test_bad_options_name_the_fix(kwargs, match):

@@ -8,7 +8,9 @@
   (DC-ASGD, Zheng et al. 2017); `reads_stale_params(tx, params)` says whether a
   transform reads the `stale_params` it is passed.
 - `predict_weights(params, opt_state, tau, lr)`: w - tau * lr * momentum
-  (SpecTrain, Chen et al. 2018; PipeMare, Yang et al. 2021).
+  (SpecTrain, Chen et al. 2018; PipeMare, Yang et al. 2021);
+  `extrapolate_weights(params, opt_state, tau)`: w + tau * the last update, for any
+  optimizer wrapped in `remember_update(tx)` (AdamW, Muon, ...).
 - `pipemare_rescale(tau, horizon)`: step scaled by tau**(-p_t), p_t from 1 to 0 (PipeMare).
 - `accumulate(inner, every, total=False)`: averages (or sums) `every` gradients per step
   (`optax.MultiSteps`; ADL).
@@ -49,7 +51,14 @@ from dgrad.optim.nesterov import (
     scale_by_async_nesterov,
     stage_momentum,
 )
-from dgrad.optim.prediction import momentum_of, predict_weights
+from dgrad.optim.prediction import (
+    RememberUpdateState,
+    extrapolate_weights,
+    last_update_of,
+    momentum_of,
+    predict_weights,
+    remember_update,
+)
 from dgrad.optim.schedules import PipeMareState, accumulate, pipemare_rescale
 from dgrad.optim.shrink import shrink
 
@@ -58,17 +67,21 @@ __all__ = [
     "DelayCompensationState",
     "DelayState",
     "PipeMareState",
+    "RememberUpdateState",
     "accumulate",
     "async_nesterov",
     "async_nesterov_for",
     "delay",
     "delay_compensation",
     "delayed",
+    "extrapolate_weights",
+    "last_update_of",
     "momentum_of",
     "pipeline_delays",
     "pipemare_rescale",
     "predict_weights",
     "reads_stale_params",
+    "remember_update",
     "scale_by_async_nesterov",
     "shrink",
     "stage_labels",

@@ -1,13 +1,18 @@
-"""Weight prediction for the forward pass (SpecTrain, Chen et al. 2018; PipeMare).
+"""Weight prediction for the forward pass.
 
 A stage whose gradient will be applied `tau` updates from now can forward with
-the weights it is expected to have by then: `w - tau * lr * v`, with `v` the
-optimizer's momentum (the direction its steps keep going).
+the weights it is expected to have by then. Two rules:
+
+- `predict_weights`: `w - tau * lr * v`, with `v` the optimizer's momentum
+  (SpecTrain, Chen et al. 2018; PipeMare): for SGD with momentum.
+- `extrapolate_weights`: `w + tau * u`, with `u` the update the optimizer last
+  applied (constant velocity, as marin's delayed-gradient study does it): for any
+  optimizer wrapped in `remember_update` (AdamW, Muon, ...).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import optax
@@ -25,8 +30,9 @@ def momentum_of(opt_state) -> Any:
     traces = optax.tree_utils.tree_get_all_with_path(opt_state, "trace")
     if not traces:
         raise ValueError(
-            "Weight prediction needs a momentum trace in the optimizer state; use an optimizer "
-            "with momentum, e.g. optax.sgd(lr, momentum=0.9)."
+            "Weight prediction by momentum needs a momentum trace in the optimizer state; use "
+            "an optimizer with momentum, e.g. optax.sgd(lr, momentum=0.9), or predict=update "
+            "(extrapolates the last update, for any optimizer)."
         )
     if len(traces) > 1:
         raise ValueError(f"The optimizer state holds {len(traces)} momentum traces; expected one.")
@@ -46,3 +52,73 @@ def predict_weights(params, opt_state, tau: int, learning_rate: float):
     integer("tau", tau)
     velocity = momentum_of(opt_state)
     return jax.tree.map(lambda w, v: w - tau * learning_rate * v, params, velocity)
+
+
+class RememberUpdateState(NamedTuple):
+    """The wrapped optimizer's state and the update it returned last (zeros at first).
+
+    >>> import jax.numpy as jnp, optax
+    >>> state = remember_update(optax.sgd(0.5)).init(jnp.ones(2))
+    >>> state.inner, state.last_update  # sgd keeps nothing; no update yet
+    ((EmptyState(), EmptyState()), Array([0., 0.], dtype=float32))
+    """
+
+    inner: Any
+    last_update: Any
+
+
+def remember_update(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner`, keeping the update it returns in its state for `extrapolate_weights`.
+
+    Extra arguments (`stale_params`, ...) reach `inner`.
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = remember_update(optax.adam(0.1))
+    >>> params = jnp.array([1.0, -1.0])
+    >>> updates, state = tx.update(jnp.array([3.0, -0.5]), tx.init(params), params)
+    >>> state.last_update.round(3)  # what it returned: Adam's first step, -lr * sign(g)
+    Array([-0.1,  0.1], dtype=float32)
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init(params):
+        return RememberUpdateState(inner.init(params), optax.tree.zeros_like(params))
+
+    def update(updates, state, params=None, **extra_args):
+        updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
+        return updates, RememberUpdateState(inner_state, updates)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def last_update_of(opt_state) -> Any:
+    """The last update kept by `remember_update` in an optax state.
+
+    >>> import jax.numpy as jnp, optax
+    >>> last_update_of(remember_update(optax.sgd(0.1)).init(jnp.zeros(2)))
+    Array([0., 0.], dtype=float32)
+    """
+    remembering = lambda node: isinstance(node, RememberUpdateState)  # noqa: E731
+    states = [n for n in jax.tree.leaves(opt_state, is_leaf=remembering) if remembering(n)]
+    if len(states) != 1:
+        raise ValueError(
+            "Weight extrapolation needs the optimizer wrapped once in "
+            f"dgrad.optim.remember_update (found {len(states)} such states)."
+        )
+    return states[0].last_update
+
+
+def extrapolate_weights(params, opt_state, tau: int):
+    """Returns `params + tau * last_update`: the weights `tau` steps ahead if each step
+    repeats the last one (`opt_state` from an optimizer wrapped in `remember_update`).
+
+    >>> import jax.numpy as jnp, optax
+    >>> tx = remember_update(optax.sgd(0.1))
+    >>> params = jnp.array([1.0])
+    >>> updates, state = tx.update(jnp.array([2.0]), tx.init(params), params)
+    >>> params = optax.apply_updates(params, updates)  # 1 - 0.1 * 2
+    >>> extrapolate_weights(params, state, tau=3)  # 0.8 - 3 * 0.2
+    Array([0.19999999], dtype=float32)
+    """
+    integer("tau", tau)
+    return jax.tree.map(lambda w, u: w + tau * u, params, last_update_of(opt_state))

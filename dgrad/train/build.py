@@ -262,6 +262,8 @@ def build_pipeline(
         accumulate=accumulate,
         probe_every=None if baseline else config.probe_every,
         microbatches=None if baseline else config.microbatches,
+        predict=None if baseline else config.predict,
+        predict_lr=None if baseline else config.predict_lr,
         devices=devices,
         placement="spread" if run.fused else config.placement,
     )

@@ -164,6 +164,8 @@ FIELDS = (
     _option("accumulate"),
     _option("microbatches", kind=int),
     _option("probe_every", kind=int),
+    _option("predict", kind=str),
+    _option("predict_lr", kind=float),
     Field(
         "placement",
         "spread",
@@ -555,6 +557,8 @@ def check(config: ml_collections.ConfigDict) -> None:
             accumulate=config.accumulate,
             probe_every=config.probe_every,
             microbatches=config.microbatches,
+            predict=config.predict,
+            predict_lr=config.predict_lr,
         )
     except ValueError as error:
         raise ValueError(f"config: {error}") from None
