@@ -395,3 +395,33 @@ def test_the_transforms_take_injected_hyperparameters_numpy_integers_and_mixed_d
 def test_misuse_of_the_transforms_says_what_is_wrong(make, match):
     with pytest.raises((ValueError, TypeError), match=match):
         make()
+
+
+@pytest.mark.parametrize("beta,depth", [(0.5, 0), (0.5, 3), (0.2, 1), (1.0, 4)])
+def test_shrink_scales_by_beta_to_the_depth_under_jit(beta, depth):
+    tx = optim.shrink(beta, depth)
+    grads = {"w": jnp.array([1.0, -2.0]), "b": jnp.array(3.0)}
+    updates, _ = jax.jit(tx.update)(grads, tx.init(grads))
+    assert jnp.allclose(updates["w"], jnp.array([1.0, -2.0]) * beta**depth)
+    assert jnp.allclose(updates["b"], 3.0 * beta**depth)
+
+
+def test_shrink_first_in_a_chain_leaves_the_weight_decay_unscaled():
+    """The pipeline chains shrink before the user's optimizer; the engine's order is
+    checked against the reference (FDG, beta 0.5, weight decay) in test_equivalence."""
+    tx = optax.chain(optim.shrink(0.5, 2), optax.add_decayed_weights(0.1), optax.sgd(1.0))
+    params = {"w": jnp.array([2.0])}
+    updates, _ = tx.update({"w": jnp.array([4.0])}, tx.init(params), params)
+    assert jnp.allclose(updates["w"], -(0.25 * 4.0 + 0.1 * 2.0))
+
+
+def test_shrink_with_beta_one_is_identity_bit_for_bit():
+    grads = {"w": jnp.array([1.2345678, -3.3e-7])}
+    updates, _ = optim.shrink(1.0, 3).update(grads, optax.EmptyState())
+    assert (updates["w"] == grads["w"]).all()
+
+
+@pytest.mark.parametrize("depth", [-1, 1.5, True])
+def test_shrink_rejects_bad_depth(depth):
+    with pytest.raises(ValueError, match="depth must be a non-negative integer"):
+        optim.shrink(0.5, depth)

@@ -12,6 +12,7 @@ from helpers import (
     build_pipeline,
     check_on_layouts,
     layouts,
+    layouts_and_optimizers,
     optimizer,
     params_of,
     reference,
@@ -115,23 +116,27 @@ def test_one_microbatch_is_staged_backprop_bit_for_bit():
     [
         pytest.param("cnn", "gpipe", 2, dict(method="bp"), marks=SLOW),
         pytest.param("cnn", "gpipe", 2, dict(method="gpipe", microbatches=4), marks=SLOW),
+        pytest.param("cnn", "1f1b", 4, dict(method="bp"), marks=SLOW),
         ("mlp", "2bw", 2, dict(method="gpipe", microbatches=2)),
         ("mlp", "gpipe", 2, dict(method="2bw", microbatches=2)),
+        ("mlp", "1f1b", 2, dict(method="2bw", microbatches=2)),
         ("mlp", "pipedream", 1, dict(method="fdg")),
         ("mlp", "pipedream", 1, dict(method="ddg", weights="current")),
     ],
 )
 def test_the_comparison_can_fail(model, method, microbatches, other):
-    """GPipe's per-microbatch BatchNorm is not backprop's, 2BW is not GPipe, and M matters
-    with BatchNorm: the checks above would see each difference."""
-    _, state, history = run_pipeline(
-        model, 2, method=method, microbatches=microbatches, devices=jax.devices()[:2]
-    )
-    ref = reference(model, 2, method=method, optimizer=optimizer, microbatches=microbatches)
-    assert_matches_reference(state, history, ref)
-    wrong = reference(model, 2, optimizer=optimizer, **other)
-    with pytest.raises(AssertionError):
-        assert_matches_reference(state, history, wrong)
+    """GPipe's and 1F1B's per-microbatch BatchNorm is not backprop's, 2BW is not GPipe or
+    1F1B, and M matters with BatchNorm: the checks above would see each difference, on
+    every layout they run on."""
+    for _, layout, tx in layouts_and_optimizers(2, replicas=2):
+        ref = reference(model, 2, method=method, optimizer=tx, microbatches=microbatches)
+        wrong = reference(model, 2, optimizer=tx, **other)
+        _, state, history = run_pipeline(
+            model, 2, method=method, microbatches=microbatches, optimizer=tx, **layout
+        )
+        assert_matches_reference(state, history, ref)
+        with pytest.raises(AssertionError):
+            assert_matches_reference(state, history, wrong)
 
 
 def _calls_per_stage(method, num_stages, microbatches):
