@@ -165,8 +165,8 @@ class Options:
             object.__setattr__(self, "microbatches", microbatches)
         elif self.microbatches not in (None, 1):
             raise ValueError(
-                f"microbatches={self.microbatches!r}: method={self.method} has no microbatches "
-                f"(only {', '.join(MICROBATCHED)} do); leave it unset."
+                f"method={self.method} has no microbatches (only {', '.join(MICROBATCHED)} do); "
+                f"leave microbatches unset, not {self.microbatches!r}."
             )
         else:
             object.__setattr__(self, "microbatches", 1)

@@ -82,6 +82,27 @@ def test_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
     assert "jax" in imported and not {"flax", "optax"} & imported  # no model built
 
 
+@pytest.mark.slow
+def test_gpipe_from_the_command_line_trains_fused_backprop_s_numbers(tmp_path):
+    """--config.method=gpipe --config.microbatches=4 on the MLP (no BatchNorm) ends where the
+    fused BP run beside it does, in the run directory that names its M."""
+    workdir = tmp_path / "run"
+    status, output = cli(
+        SMOKE,
+        "--config.model.name=mlp",
+        "--config.method=gpipe",
+        "--config.microbatches=4",
+        "--config.num_epochs=1",
+        f"--workdir={workdir}",
+    )
+    assert status == 0, output[-3000:]
+    assert "GPipe K=2 M=4" in output
+    (gpipe,) = metrics.read(workdir / "gpipe_k2_m4" / "metrics.jsonl", "epoch")
+    (fused,) = metrics.read(workdir / "bp_fused" / "metrics.jsonl", "epoch")
+    assert gpipe["test_loss"] == pytest.approx(fused["test_loss"], rel=1e-5)
+    assert gpipe["train_loss"] == pytest.approx(fused["train_loss"], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -102,6 +123,8 @@ def test_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
         (["--config.steps_per_epoch=100"], "more than the 22 batches of 64"),
         (["--config.method=sgd"], "Unknown method 'sgd'; choose one of: bp, ddg, fdg"),
         (["--config.method=ddg", "--config.beta=0.5"], "only FDG has; use method=fdg or beta=1"),
+        (["--config.microbatches=4"], "method=fdg has no microbatches (only gpipe, 1f1b, 2bw"),
+        (["--config.predict=velocity"], "Unknown predict 'velocity'; choose one of: momentum"),
         pytest.param(
             ["--config.model.name=mlp", "--config.num_stages=9"],
             "cannot be cut into num_stages=9",

@@ -61,8 +61,8 @@ def test_a_grid_over_methods_and_microbatches_skips_the_methods_that_have_none()
         "method=1f1b microbatches=4",
     ]
     assert skipped == [
-        "method=ddg microbatches=4: microbatches=4: method=ddg has no microbatches (only "
-        "gpipe, 1f1b, 2bw do); leave it unset."
+        "method=ddg microbatches=4: method=ddg has no microbatches (only gpipe, 1f1b, 2bw "
+        "do); leave microbatches unset, not 4."
     ]
 
 
