@@ -33,10 +33,26 @@ import time
 
 import jax
 
+from dgrad.schedule import Apply, BackwardForward, Unit, Work
+
+
+def unit_of(call: Work) -> Unit | None:
+    """The unit a timetable call works on, as its `Event` records it.
+
+    >>> from dgrad.schedule import Schedule
+    >>> [unit_of(call) for call in Schedule("gpipe", 2, microbatches=2).work(5)][:3]
+    [(5, 0), (5, 1), (5, 0)]
+    """
+    if isinstance(call, Apply):
+        return None
+    return call.forward if isinstance(call, BackwardForward) else call.unit
+
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One stage function's run on a device; times in seconds from the timeline's start.
+    """One stage function's run on a device; times in seconds from the timeline's start;
+    `unit` the batch, or (batch, microbatch), that the timetable's call forwards (or, for a
+    backward alone, back-propagates; None for a flush's update).
 
     >>> Event(device=0, stage=1, name="loss_step", step=3, start=0.25, end=0.75).seconds
     0.5
@@ -48,6 +64,7 @@ class Event:
     step: int
     start: float
     end: float
+    unit: Unit | None = None
 
     @property
     def seconds(self) -> float:
@@ -85,6 +102,7 @@ class Timeline:
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._step = 0
+        self._units: list | None = None  # the current step's units, in dispatch order
 
     def watch(self, pipe):
         """A view of `pipe` (`Pipeline.observed`) whose stage function calls are recorded here.
@@ -116,13 +134,27 @@ class Timeline:
 
         def counted_step(state, batch):
             self._step = state.step
-            return step(state, batch)
+            self._units = [unit_of(call) for call in pipe.schedule.work(state.step)]
+            outputs = step(state, batch)
+            if self._units:
+                raise AssertionError(
+                    f"step {state.step} made fewer stage calls than its timetable has entries"
+                )
+            self._units = None
+            return outputs
 
         view.step = counted_step
         return view
 
     def _record(self, device: jax.Device, stage: int, name: str, inputs, outputs) -> None:
         dispatched = time.perf_counter()
+        unit = None
+        if self._units is not None:  # inside a step: the calls follow its timetable in order
+            if not self._units:
+                raise AssertionError(
+                    f"step {self._step} made more stage calls than its timetable has entries"
+                )
+            unit = self._units.pop(0)
         if device.id not in self._queues:
             self._queues[device.id] = queue.SimpleQueue()
             thread = threading.Thread(
@@ -130,12 +162,12 @@ class Timeline:
             )
             thread.start()
             self._threads.append(thread)
-        self._queues[device.id].put((stage, name, self._step, dispatched, inputs, outputs))
+        self._queues[device.id].put((stage, name, self._step, unit, dispatched, inputs, outputs))
 
     def _watch(self, device: int, pending: queue.SimpleQueue) -> None:
         previous_end = 0.0
         while (item := pending.get()) is not None:
-            stage, name, step, dispatched, inputs, outputs = item
+            stage, name, step, unit, dispatched, inputs, outputs = item
             jax.block_until_ready(inputs)
             inputs_ready = time.perf_counter() - self._origin
             jax.block_until_ready(outputs)
@@ -143,7 +175,7 @@ class Timeline:
             start = min(max(dispatched - self._origin, previous_end, inputs_ready), end)
             previous_end = end
             with self._lock:
-                self.events.append(Event(device, stage, name, step, start, end))
+                self.events.append(Event(device, stage, name, step, start, end, unit))
 
     def close(self) -> None:
         """Waits for every recorded call to finish; call before reading `events`.
@@ -206,7 +238,7 @@ class Timeline:
                 "dur": 1e6 * e.seconds,
                 "pid": e.device,
                 "tid": e.stage,
-                "args": {"step": e.step},
+                "args": {"step": e.step, "unit": e.unit},
             }
             for e in self.events
         ]
@@ -218,7 +250,8 @@ class Timeline:
             json.dump({"traceEvents": names + events, "displayTimeUnit": "ms"}, f)
 
     def gantt(self, path, title: str = "") -> None:
-        """Draws one row per device, a bar per stage function, colour by kind (PNG).
+        """Draws one row per device, a bar per stage function, colour by kind, a microbatch's
+        index on its bar (PNG).
 
         >>> import os, tempfile
         >>> timeline = Timeline()
@@ -238,6 +271,7 @@ class Timeline:
             "backward": "tab:orange",
             "loss": "tab:red",
             "aux": "tab:brown",
+            "apply": "tab:gray",
             "fused": "tab:purple",
         }
         devices = sorted({e.device for e in self.events})
@@ -253,6 +287,9 @@ class Timeline:
                     edgecolor="white",
                     linewidth=0.3,
                 )
+                if isinstance(e.unit, tuple):  # a microbatch: its index on its bar
+                    middle = 1e3 * (e.start + e.end) / 2
+                    ax.text(middle, row, str(e.unit[1]), ha="center", va="center", fontsize=6)
         busy = self.busy_fraction()
         ax.set_yticks(
             range(len(devices)), [f"device {d}\n{100 * busy[d]:.0f}% busy" for d in devices]

@@ -143,6 +143,30 @@ def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["gpipe", "1f1b"])
+def test_timeline_records_each_microbatch_in_the_order_the_stages_ran_them(method):
+    batch = (jnp.ones((8, 6)), jnp.zeros((8,), jnp.int32))
+    stages = models.mlp([6, 16, 16, 3], num_stages=2)
+    pipe = dgrad.Pipeline(
+        stages, method=method, microbatches=4, optimizer=optax.sgd(0.1), devices=jax.devices()[:2]
+    )
+    state, timeline = pipe.init(batch), Timeline()
+    watched = timeline.watch(pipe)
+    for _ in range(2):
+        state, _ = watched.step(state, batch)
+    timeline.close()
+    stage_0 = [(e.name, e.unit) for e in timeline.events if e.stage == 0 and e.step == 1]
+    forwards = [("forward", (1, m)) for m in range(4)]
+    backwards = [("backward_sum", (1, m)) for m in range(4)]
+    if method == "gpipe":  # every forward, then the backwards last microbatch first
+        assert stage_0 == [*forwards, *reversed(backwards), ("apply_sum", None)]
+    else:  # 1F1B on stage 0 of 2: one forward to fill, then one forward and one backward
+        order = [forwards[0], forwards[1], backwards[0], forwards[2], backwards[1], forwards[3]]
+        assert stage_0 == [*order, *backwards[2:], ("apply_sum", None)]
+    stage_1 = [e.unit for e in timeline.events if e.stage == 1 and e.step == 1]
+    assert stage_1 == [*((1, m) for m in range(4)), None]  # four losses, then the update
+
+
 def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""
     status, output = run_command(
@@ -154,7 +178,8 @@ def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
             "--model=mlp",
             "--image-size=8",
             "--data-parallel=1,2",
-            "--methods=fdg",
+            "--methods=fdg,gpipe",
+            "--microbatches=2",
             "--windows=2",
             "--steps=2",
             f"--timeline={tmp_path}",
@@ -166,6 +191,9 @@ def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     names = [row.split("|")[1].strip() for row in rows[1:]]
     assert names[:3] == ["plain JAX (no dgrad)", "bp fused", "bp fused, data parallel"]
     assert ("fdg", "2", "2") in [tuple(r.split("|")[i].strip() for i in (1, 2, 3)) for r in rows]
+    assert re.search(r"\| gpipe M=2 \| 2 \| 1 \|.*\| \d+ \d+ \[33\] \|", output), (
+        output
+    )  # idle [1/3]
     assert len(list(tmp_path.glob("*.png"))) == len(rows) - 2  # every pipeline traced
 
 
