@@ -1,4 +1,4 @@
-"""Test setup: four fake CPU devices and a persistent compilation cache.
+"""Test setup: four fake CPU devices (DGRAD_TEST_DEVICES) and a persistent compilation cache.
 
 Both must be configured before JAX runs anything, hence at import time here.
 `pytest -m "not slow"` is the fast subset (every module, in minutes); the CI
@@ -10,7 +10,8 @@ import tempfile
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 4)
+# A test that needs more devices reruns itself in a process with DGRAD_TEST_DEVICES set.
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("DGRAD_TEST_DEVICES", "4")))
 # XLA's CPU compiler is slow on convolution gradients; the many pipelines built
 # by the tests compile identical stage functions, which this cache shares.
 jax.config.update(

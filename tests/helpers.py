@@ -94,14 +94,15 @@ def reference(model, num_stages, method, weights="stash", beta=1.0, optimizer=op
 
 def layouts(num_stages: int, replicas: int | None = None) -> dict[str, dict]:
     """The device layouts the reference tests run on: one device; one device per stage;
-    and, where the 4 devices allow, `replicas` per stage (default 4 // K)."""
+    and, where the devices allow (4 in the tests), `replicas` per stage (default
+    devices // K)."""
     devices = jax.devices()
     found = {
         "one device": dict(devices=devices[:1]),
         "a device per stage": dict(devices=devices[:num_stages], placement="one_per_device"),
     }
-    if num_stages <= 2:
-        replicas = replicas or len(devices) // num_stages
+    replicas = replicas or len(devices) // num_stages
+    if replicas >= 2 and replicas * num_stages <= len(devices):
         found[f"{replicas} replicas per stage"] = dict(
             devices=devices[: replicas * num_stages], data_parallel=replicas
         )

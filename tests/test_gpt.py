@@ -6,7 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_matches_reference, check_on_layouts, optimizer, reference, run_pipeline
+from helpers import (
+    assert_close,
+    assert_matches_reference,
+    batches,
+    check_on_layouts,
+    layouts,
+    optimizer,
+    params_of,
+    reference,
+    run_pipeline,
+)
 
 from dgrad import models
 
@@ -52,6 +62,20 @@ def test_the_embedding_is_on_stage_0_and_the_head_on_the_last():
 )
 def test_gpt_stages_match_the_reference(num_stages, method, options):
     check_on_layouts("gpt", num_stages, method, **options)
+
+
+@SLOW
+def test_gpipe_and_1f1b_on_the_gpt_equal_fused_backprop():
+    """No BatchNorm in a transformer: a synchronous pipeline's mean over M microbatches is
+    the whole batch's gradient, so GPipe and 1F1B train fused BP's numbers."""
+    data = batches("gpt", 5)
+    _, fused, _ = run_pipeline(
+        "gpt", 2, data=data, method="bp", fused=True, devices=jax.devices()[:1]
+    )
+    for layout in layouts(2).values():
+        for method in ("gpipe", "1f1b"):
+            _, state, _ = run_pipeline("gpt", 2, data=data, method=method, microbatches=2, **layout)
+            assert_close(params_of(state), params_of(fused))
 
 
 def test_the_comparison_can_fail_on_the_gpt():

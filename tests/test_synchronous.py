@@ -2,10 +2,14 @@
 PipeDream-2BW) against the plain reference, fused backprop and the optax delay
 transform, on one device, on one device per stage and with every stage replicated."""
 
+import sys
+
 import jax
 import numpy as np
 import pytest
 from helpers import (
+    ROOT,
+    SMOOTH_OPTIMIZER,
     assert_close,
     assert_matches_reference,
     batches,
@@ -18,6 +22,7 @@ from helpers import (
     reference,
     run_pipeline,
 )
+from processes import run_command
 
 import dgrad
 from dgrad import optim
@@ -69,6 +74,9 @@ def test_memory_policies_keep_the_numbers(method, memory):
         pytest.param("1f1b", 2, 4, marks=SLOW),
         pytest.param("2bw", 2, 2, marks=SLOW),
         pytest.param("2bw", 3, 2, marks=SLOW),
+        pytest.param("gpipe", 1, 2, marks=SLOW),
+        pytest.param("1f1b", 4, 2, marks=SLOW),
+        pytest.param("2bw", 2, 1, marks=SLOW),
     ],
 )
 def test_batchnorm_cnn_normalises_each_microbatch_as_the_reference(
@@ -77,6 +85,13 @@ def test_batchnorm_cnn_normalises_each_microbatch_as_the_reference(
     """BatchNorm with each microbatch's own statistics, the running averages moved once per
     microbatch in order, whatever the layout (replicas split a microbatch further)."""
     check("cnn", num_stages, method, microbatches)
+
+
+@SLOW
+@pytest.mark.parametrize("method,memory", [("gpipe", "recompute"), ("1f1b", "dots")])
+def test_batchnorm_cnn_keeps_its_numbers_under_the_memory_policies(method, memory):
+    """A recomputed forward moves no running average a second time."""
+    check("cnn", 2, method, 2, memory=memory, names=["a device per stage"])
 
 
 @pytest.mark.parametrize(
@@ -95,6 +110,37 @@ def test_gpipe_and_1f1b_equal_fused_backprop_without_batchnorm(num_stages, micro
             )
             assert_close(params_of(state), params_of(fused))
             assert [m["batch"] for m in history] == list(range(len(data)))
+
+
+@SLOW
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "2bw", "pipedream"])
+def test_every_stage_replicated_at_three_and_four_stages(request, method):
+    """K x D beyond the 4 test devices: K = 3 and 4 with 2 replicas per stage, on 8 fake
+    devices (the test reruns itself in a process of its own that has them), with a control."""
+    if len(jax.devices()) < 8:
+        run_command(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+            timeout=900,
+            cwd=ROOT,
+            env={"DGRAD_TEST_DEVICES": "8"},
+        )
+        return
+    microbatches = 1 if method == "pipedream" else 2
+    for num_stages in (3, 4):
+        check("mlp", num_stages, method, microbatches, names=["2 replicas per stage"])
+    other = dict(method="ddg", weights="current") if method == "pipedream" else dict(method="fdg")
+    _, state, history = run_pipeline(
+        "mlp",
+        4,
+        method=method,
+        microbatches=microbatches,
+        optimizer=SMOOTH_OPTIMIZER,
+        **layouts(4, replicas=2)["2 replicas per stage"],
+    )
+    with pytest.raises(AssertionError):
+        assert_matches_reference(
+            state, history, reference("mlp", 4, optimizer=SMOOTH_OPTIMIZER, **other)
+        )
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, pytest.param(3, marks=SLOW), 4])
