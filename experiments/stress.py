@@ -2,10 +2,11 @@
 
     python -m experiments.stress                       # every layout, fdg and ddg, 10 runs each
     python -m experiments.stress --runs 30 --layouts "2x2 spread" --methods fdg --logs /tmp/logs
+    python -m experiments.stress --layouts 2x1 --config=experiments/configs/lm_stdlib.py:smoke
 
 Layouts (processes x devices each): 2x2 spread and 2x2 interleaved (K=2, D=2), 2x1
 (K=2), 4x1 K=4 and 4x1 K=2xD=2. Each run is one epoch of the default config
-(22 steps, an evaluation and a checkpoint) under a deadline; the table counts
+(22 steps, an evaluation and a checkpoint), or of `--config`, under a deadline; the table counts
 the runs that finished, froze (past the deadline, or stopped as stalled) and
 failed otherwise. The exit status is 1 if any run did not finish.
 """
@@ -27,6 +28,11 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default="fdg,ddg", help="comma-separated methods")
     parser.add_argument("--deadline", type=float, default=180.0, help="seconds per run")
     parser.add_argument("--logs", type=pathlib.Path, help="folder for each failed run's output")
+    parser.add_argument(
+        "--config",
+        metavar="FILE[:VARIANT]",
+        help="the experiment each run trains for one epoch (default: the default config)",
+    )
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error("--runs must be at least 1")
@@ -42,7 +48,13 @@ def main(argv=None) -> int:
     layouts = [layout for layout in stress.LAYOUTS if layout.name in chosen]
     try:
         outcomes = stress.stress(
-            layouts, methods, args.runs, args.deadline, report=sys.stdout, logs=args.logs
+            layouts,
+            methods,
+            args.runs,
+            args.deadline,
+            extra=[f"--config={args.config}"] if args.config else [],
+            report=sys.stdout,
+            logs=args.logs,
         )
     except stress.StressStopped as stopped:
         print(stress.table(stopped.outcomes))

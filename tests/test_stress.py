@@ -43,6 +43,19 @@ def test_a_multi_process_layout_finishes_under_stress(layout):
     assert status == 0
 
 
+@pytest.mark.slow
+def test_a_language_model_finishes_under_stress_on_two_processes():
+    config = "--config=experiments/configs/lm_stdlib.py:smoke"
+    status, output = run_command(
+        [*STRESS, "--runs=1", "--methods=fdg", "--deadline=200", "--layouts=2x1", config],
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
+    rows = [line for line in output.splitlines() if line.startswith("| 2x1 | fdg ")]
+    assert len(rows) == 1 and status == 0, output[-3000:]
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
