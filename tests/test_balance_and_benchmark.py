@@ -167,6 +167,7 @@ def test_timeline_records_each_microbatch_in_the_order_the_stages_ran_them(metho
     assert stage_1 == [*((1, m) for m in range(4)), None]  # four losses, then the update
 
 
+@pytest.mark.slow
 def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""
     status, output = run_command(

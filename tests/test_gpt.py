@@ -50,7 +50,7 @@ def test_the_embedding_is_on_stage_0_and_the_head_on_the_last():
     "num_stages,method,options",
     [
         (2, "fdg", dict(beta=0.5)),
-        (2, "ddg", {}),
+        pytest.param(2, "ddg", {}, marks=SLOW),
         pytest.param(2, "gpipe", dict(microbatches=2), marks=SLOW),
         pytest.param(1, "bp", {}, marks=SLOW),
         pytest.param(3, "fdg", {}, marks=SLOW),

@@ -294,8 +294,15 @@ def test_remember_update_passes_extra_arguments_on():
     assert jnp.array_equal(state.last_update, updates)
 
 
-@pytest.mark.parametrize("method", ["ddg", "fdg"])
-@pytest.mark.parametrize("name", ["adamw", "muon"])
+@pytest.mark.parametrize(
+    "method,name",
+    [
+        ("ddg", "adamw"),
+        pytest.param("fdg", "adamw", marks=pytest.mark.slow),
+        pytest.param("ddg", "muon", marks=pytest.mark.slow),
+        ("fdg", "muon"),
+    ],
+)
 def test_extrapolation_in_the_engine_matches_the_reference(method, name):
     """predict=update (w + tau * last update) on AdamW and Muon, on every layout."""
     K = 2

@@ -69,7 +69,7 @@ def test_memory_policies_keep_the_numbers(method, memory):
 @pytest.mark.parametrize(
     "method,num_stages,microbatches",
     [
-        ("gpipe", 2, 2),
+        pytest.param("gpipe", 2, 2, marks=SLOW),
         pytest.param("gpipe", 3, 4, marks=SLOW),
         pytest.param("1f1b", 2, 4, marks=SLOW),
         pytest.param("2bw", 2, 2, marks=SLOW),

@@ -22,11 +22,11 @@ from dgrad.train.checkpoint import Checkpointer
     [
         ("fdg", None, "sgd"),
         pytest.param("ddg", None, "sgd", marks=pytest.mark.slow),
-        ("gpipe", 4, "sgd"),
+        pytest.param("gpipe", 4, "sgd", marks=pytest.mark.slow),
         pytest.param("1f1b", 2, "sgd", marks=pytest.mark.slow),
         pytest.param("pipedream", None, "sgd", marks=pytest.mark.slow),
         ("2bw", 2, "sgd"),
-        ("fdg", None, "adamw"),
+        pytest.param("fdg", None, "adamw", marks=pytest.mark.slow),
         pytest.param("ddg", None, "muon", marks=pytest.mark.slow),
         pytest.param("fdg", None, "async_nesterov", marks=pytest.mark.slow),
     ],
