@@ -39,6 +39,7 @@ MICROBATCHED = ("gpipe", "1f1b", "2bw")  # split each batch into `microbatches`
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")
 PREDICTIONS = ("momentum", "update")  # see dgrad.optim.prediction
+STALE_FORWARDS = ("ddg", "fdg", "pipedream")  # a stage forwards at weights its update changes
 PLACEMENTS = ("spread", "interleaved", "one_per_device")  # see dgrad.placement
 
 
@@ -194,6 +195,12 @@ class Options:
                 f"predict={predict} is not supported with method=2bw (its forward uses the "
                 "weights of one version before); leave predict and predict_lr unset."
             )
+        if predict is not None and self.method not in STALE_FORWARDS:
+            raise ValueError(
+                f"predict={predict} has nothing to predict under method={self.method}: no stage "
+                f"forwards with weights that will have moved on; use one of "
+                f"{', '.join(STALE_FORWARDS)}, or leave predict and predict_lr unset."
+            )
         presets = {"fr": ("current", "recompute")}
         weights, memory = presets.get(self.method, ("stash", "residuals"))
         if self.method in presets and (self.weights, self.memory) not in (
@@ -231,8 +238,8 @@ class Options:
                 isinstance(self.predict_lr, numbers.Real) and self.predict_lr > 0
             ):
                 raise ValueError(
-                    f"predict_lr must be a positive learning rate (or None for no weight "
-                    f"prediction), got {self.predict_lr!r}."
+                    f"predict_lr must be a positive learning rate (predict=momentum's scale of "
+                    f"the momentum), got {self.predict_lr!r}."
                 )
             object.__setattr__(self, "predict_lr", float(self.predict_lr))
         if self.data_parallel != -1:

@@ -209,7 +209,7 @@ class Pipeline:
         every = self.options.accumulate
         if every > 1:
             tx = accumulate(tx, every, total=True)
-        if self.options.predict == "update":
+        if self.options.predict == "update" and self.schedule.weight_staleness(k) > 0:
             tx = remember_update(tx)
         return tx
 

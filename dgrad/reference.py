@@ -173,7 +173,7 @@ def reference_run(
         tau = schedule.weight_staleness(j)
         if predict is None or tau == 0:
             return W[j][i]
-        if predict == "update":
+        if predict == "update":  # a stale stage updates every iteration once it has begun
             last = W[j][i - 1] if i else W[j][i]
             return jax.tree.map(lambda w, v: w + tau * (w - v), W[j][i], last)
         return predict_weights(W[j][i], opt_history[j][i], tau, predict_lr)

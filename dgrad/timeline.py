@@ -135,12 +135,15 @@ class Timeline:
         def counted_step(state, batch):
             self._step = state.step
             self._units = [unit_of(call) for call in pipe.schedule.work(state.step)]
-            outputs = step(state, batch)
-            if self._units:
+            try:
+                outputs = step(state, batch)
+                left = len(self._units)
+            finally:
+                self._units = None
+            if left:
                 raise AssertionError(
-                    f"step {state.step} made fewer stage calls than its timetable has entries"
+                    f"step {state.step} made {left} fewer stage calls than its timetable has"
                 )
-            self._units = None
             return outputs
 
         view.step = counted_step

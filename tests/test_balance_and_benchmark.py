@@ -167,6 +167,20 @@ def test_timeline_records_each_microbatch_in_the_order_the_stages_ran_them(metho
     assert stage_1 == [*((1, m) for m in range(4)), None]  # four losses, then the update
 
 
+def test_a_step_that_fails_leaves_the_timeline_counting_right():
+    batch = (jnp.ones((8, 6)), jnp.zeros((8,), jnp.int32))
+    pipe = dgrad.Pipeline(models.mlp([6, 16, 3], num_stages=2), optimizer=optax.sgd(0.1))
+    state, timeline = pipe.init(batch), Timeline()
+    watched = timeline.watch(pipe)
+    with pytest.raises(ValueError, match="every batch must match"):
+        watched.step(state, (jnp.ones((4, 6)), jnp.zeros((4,), jnp.int32)))
+    watched.predict(state, batch[0])  # outside a step: no unit
+    state, _ = watched.step(state, batch)
+    timeline.close()
+    recorded = sorted((e.stage, e.name, e.unit) for e in timeline.events)  # two devices' threads
+    assert recorded == [(0, "forward", 0), (0, "predict", None), (1, "predict", None)]
+
+
 @pytest.mark.slow
 def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""

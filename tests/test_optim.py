@@ -18,6 +18,7 @@ from helpers import (
     run_pipeline,
 )
 
+import dgrad
 from dgrad import optim
 
 
@@ -329,6 +330,27 @@ def test_weight_prediction_needs_momentum_and_a_positive_rate():
         run_pipeline("mlp", 2, method="ddg", predict="update", predict_lr=0.1)
     with pytest.raises(ValueError, match="Unknown predict 'velocity'"):
         run_pipeline("mlp", 2, method="ddg", predict="velocity")
+    for method in ("bp", "gpipe", "fr", "dgl"):
+        with pytest.raises(ValueError, match=f"nothing to predict under method={method}"):
+            dgrad.Options(method=method, predict="update")
+
+
+def test_extrapolation_replays_its_weights_under_recompute():
+    """weights=current with memory=recompute: the backward's forward runs again at the
+    current weights, the first forward at the extrapolated ones."""
+    tx = optax.adamw(1e-2)
+    ref = reference("mlp", 3, method="ddg", optimizer=tx, weights="current", predict="update")
+    _, state, _ = run_pipeline(
+        "mlp",
+        3,
+        method="ddg",
+        weights="current",
+        memory="recompute",
+        optimizer=tx,
+        predict="update",
+        devices=jax.devices()[:3],
+    )
+    assert_close(params_of(state), ref.params)
 
 
 def test_accumulate_and_staged_delay_pass_stale_params_to_what_they_wrap():

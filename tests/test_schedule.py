@@ -96,27 +96,50 @@ def _replay(schedule, iterations):
     return seen
 
 
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("K", [1, 2, 3, 4])
-def test_the_arithmetic_agrees_with_the_calls(method, K):
-    """forward_batch, backward_batch and weight_staleness (which the probe, the checkpoint
-    structure and the reference read) say what `work` does, for every method."""
-    microbatches = 3 if method in ("gpipe", "1f1b", "2bw") else 1
-    schedule = Schedule(method, K, microbatches=microbatches)
-    iterations = 4 * K + 2
+# The papers' timetables, written out again (DESIGN.md): in iteration t, stage k of K
+# forwards batch ... and applies the gradient of batch ...
+PAPERS = {
+    "bp": lambda t, k, K: (t, t),
+    "gpipe": lambda t, k, K: (t, t),
+    "1f1b": lambda t, k, K: (t, t),
+    "2bw": lambda t, k, K: (t, t),
+    "ddg": lambda t, k, K: (t, t - (K - 1 - k)),
+    "fr": lambda t, k, K: (t, t - (K - 1 - k)),
+    "pipedream": lambda t, k, K: (t, t - (K - 1 - k)),
+    "fdg": lambda t, k, K: (t - k, t - k - 2 * (K - 1 - k)),
+    "dgl": lambda t, k, K: (t - k, t - k),
+}
+
+
+def _check_replay(schedule, iterations=None):
+    K = schedule.num_stages
+    iterations = iterations or 4 * K + 2
     seen = _replay(schedule, iterations)
     for k in range(K):
         for t in range(iterations):
-            expected = schedule.forward_batch(k, t)
-            assert seen["forward"].get((k, t)) == (None if expected is None else {expected})
-            expected = schedule.backward_batch(k, t)
-            assert seen["applied"].get((k, t)) == (None if expected is None else {expected})
-        if method != "fr":  # FR re-forwards on the current weights: 0 by definition
+            forward, applied = (b if b >= 0 else None for b in PAPERS[schedule.method](t, k, K))
+            assert seen["forward"].get((k, t)) == (None if forward is None else {forward})
+            assert seen["applied"].get((k, t)) == (None if applied is None else {applied})
+            assert schedule.forward_batch(k, t) == forward
+            assert schedule.backward_batch(k, t) == applied
+        if schedule.method != "fr":  # FR re-forwards on the current weights: 0 by definition
             assert seen["staleness"][k] == {schedule.weight_staleness(k)}, (k, seen)
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("K", [1, 2, 3, 4])
+def test_the_calls_and_the_arithmetic_say_what_the_papers_do(method, K):
+    """The calls `work` makes (replayed), and forward_batch, backward_batch and
+    weight_staleness (which the probe, the checkpoint structure and the reference read),
+    against the papers' timetables, for every method."""
+    assert set(PAPERS) == set(METHODS)
+    microbatches = 3 if method in ("gpipe", "1f1b", "2bw") else 1
+    _check_replay(Schedule(method, K, microbatches=microbatches))
+
+
 def test_the_replay_can_fail():
-    """A timetable that updated before DDG's forwards would be one update less stale."""
+    """A timetable that updated before DDG's forwards would be one update less stale, and
+    one that forwarded DDG's batches as FDG does would forward the wrong batches."""
 
     class UpdateFirst(Schedule):
         def work(self, t):
@@ -127,5 +150,10 @@ def test_the_replay_can_fail():
                 for w in super().work(t)
             )
 
-    seen = _replay(UpdateFirst("ddg", 3), 10)
-    assert seen["staleness"][0] == {Schedule("ddg", 3).weight_staleness(0) - 1}
+    class Lagging(Schedule):
+        def forward_lag(self, stage):
+            return stage
+
+    for wrong in (UpdateFirst("ddg", 3), Lagging("ddg", 3)):
+        with pytest.raises(AssertionError):
+            _check_replay(wrong)

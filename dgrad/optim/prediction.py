@@ -98,8 +98,13 @@ def last_update_of(opt_state) -> Any:
     >>> last_update_of(remember_update(optax.sgd(0.1)).init(jnp.zeros(2)))
     Array([0., 0.], dtype=float32)
     """
-    remembering = lambda node: isinstance(node, RememberUpdateState)  # noqa: E731
-    states = [n for n in jax.tree.leaves(opt_state, is_leaf=remembering) if remembering(n)]
+    states = [
+        node
+        for node in jax.tree.leaves(
+            opt_state, is_leaf=lambda node: isinstance(node, RememberUpdateState)
+        )
+        if isinstance(node, RememberUpdateState)
+    ]
     if len(states) != 1:
         raise ValueError(
             "Weight extrapolation needs the optimizer wrapped once in "
