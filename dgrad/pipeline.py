@@ -301,8 +301,8 @@ class Pipeline:
             previous = params if self.schedule.keeps_previous_weights else None
             stages.append(StageState(params, rest, init(params), previous=previous))
         if self.options.predict == "momentum":
-            for k, stage in enumerate(stages):
-                if self.schedule.weight_staleness(k) > 0:
+            for fns, stage in zip(self.stages, stages):
+                if fns.predict_ahead:
                     momentum_of(stage.opt_state)  # raises if the optimizer has no momentum
         none = (None,) * self.num_stages
         finite = self.placement.put(jnp.array(True), self.num_stages - 1)

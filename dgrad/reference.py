@@ -39,6 +39,7 @@ from flax import nnx
 from dgrad import losses
 from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.optim.prediction import predict_weights
+from dgrad.options import Options
 from dgrad.schedule import Schedule
 
 
@@ -125,7 +126,7 @@ def reference_run(
         return _microbatched(
             stages, batches, optimizer, loss_fn, microbatches, one_version_old=method == "2bw"
         )
-    predict = predict or ("momentum" if predict_lr is not None else None)
+    predict = Options(method=method, predict=predict, predict_lr=predict_lr).predict
     if method == "pipedream":  # its weight versions are DDG's with stashing
         method, weights = "ddg", "stash"
     K = len(stages)
