@@ -16,6 +16,29 @@ STRESS = [sys.executable, "-m", "experiments.stress"]
 BROKEN = {"4x1 K=2xD=2"}
 
 
+def _finishes_one_run(layout, deadline, *flags):
+    """One stress run of fdg on `layout` (with `flags`): its table row says one run, finished,
+    none frozen or failed, and the command exits 0."""
+    status, output = run_command(
+        [
+            *STRESS,
+            "--runs=1",
+            "--methods=fdg",
+            f"--deadline={deadline}",
+            f"--layouts={layout}",
+            *flags,
+        ],
+        timeout=600,
+        cwd=ROOT,
+        check=False,
+    )
+    rows = [line for line in output.splitlines() if line.startswith(f"| {layout} | fdg ")]
+    assert len(rows) == 1, output[-3000:]
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    assert cells[2:6] == ["1", "1", "0", "0"], output[-3000:]
+    assert status == 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
@@ -30,30 +53,12 @@ BROKEN = {"4x1 K=2xD=2"}
     ],
 )
 def test_a_multi_process_layout_finishes_under_stress(layout):
-    status, output = run_command(
-        [*STRESS, "--runs=1", "--methods=fdg", "--deadline=150", f"--layouts={layout}"],
-        timeout=600,
-        cwd=ROOT,
-        check=False,
-    )
-    rows = [line for line in output.splitlines() if line.startswith(f"| {layout} | fdg ")]
-    assert len(rows) == 1, output[-3000:]
-    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
-    assert cells[2:6] == ["1", "1", "0", "0"], output[-3000:]
-    assert status == 0
+    _finishes_one_run(layout, 150)
 
 
 @pytest.mark.slow
 def test_a_language_model_finishes_under_stress_on_two_processes():
-    config = "--config=experiments/configs/lm_stdlib.py:smoke"
-    status, output = run_command(
-        [*STRESS, "--runs=1", "--methods=fdg", "--deadline=200", "--layouts=2x1", config],
-        timeout=600,
-        cwd=ROOT,
-        check=False,
-    )
-    rows = [line for line in output.splitlines() if line.startswith("| 2x1 | fdg ")]
-    assert len(rows) == 1 and status == 0, output[-3000:]
+    _finishes_one_run("2x1", 200, "--config=experiments/configs/lm_stdlib.py:smoke")
 
 
 @pytest.mark.parametrize(
