@@ -240,6 +240,26 @@ def test_restoring_into_another_model_says_so(tmp_path):
         checkpoints.restore(other_split)
 
 
+@pytest.mark.parametrize(
+    "other, where",
+    [
+        ({"predict": "update"}, "holds stages/0/opt_state/1/0/trace/"),
+        ({"memory": "recompute"}, "holds stages/0/kept/0/residuals/"),
+    ],
+)
+def test_restoring_with_other_options_names_what_differs(tmp_path, other, where):
+    """A checkpoint of another optimizer state or timetable is one line naming the
+    first array that differs, not orbax's tree diff."""
+    data = batches("mlp", 3)
+    pipe = build_pipeline("mlp", 2, method="ddg")
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(run(pipe, pipe.init(data[0]), data))
+    changed = build_pipeline("mlp", 2, **{"method": "ddg", **other})
+    changed.init(data[0])
+    with Checkpointer(tmp_path) as checkpoints, pytest.raises(ValueError, match=where):
+        checkpoints.restore(changed)
+
+
 def test_missing_checkpoint_says_where_it_looked(tmp_path):
     pipe = dgrad.Pipeline(build_stages("mlp", 2), optimizer=optimizer)
     pipe.init(batches("mlp", 1)[0])

@@ -286,7 +286,7 @@ def _as_saved(stored, saved):
             _, stage, _, _, _, *weight = path  # stages/<k>/kept/<i>/params/<weight...>
             dropped[path] = target_of(("stages", stage, "params", *weight))
         if owner[path] is None and dropped.get(path) is None:
-            return stored, lambda restored: restored  # orbax names what differs
+            raise _mismatch(path, "holds")
     missing = set(wanted) - set(owner.values())
     if any(map(_is_stashed_weight, missing)):
         raise ValueError(
@@ -294,8 +294,10 @@ def _as_saved(stored, saved):
             "checkpoint's records hold none (it was saved with another weights policy, "
             "probe_every or optimizer): resume with the options the run was saved with."
         )
-    if missing or (not dropped and all(path == own for path, own in owner.items())):
-        return stored, lambda restored: restored  # current, or orbax names what differs
+    if missing:
+        raise _mismatch(min(missing), "lacks")
+    if not dropped and all(path == own for path, own in owner.items()):
+        return stored, lambda restored: restored  # today's layout
     as_saved = jax.tree_util.tree_map_with_path(
         lambda keys, _: wanted[owner[_path(keys)] or dropped[_path(keys)]], saved
     )
@@ -306,6 +308,21 @@ def _as_saved(stored, saved):
         return treedef.unflatten([at[saved_at[path]] for path in wanted])
 
     return as_saved, back
+
+
+def _mismatch(path, holds_or_lacks: str) -> ValueError:
+    """The one line for a checkpoint that `holds_or_lacks` an array at `path` of this
+    pipeline's state: it was written with other options.
+
+    >>> print(_mismatch(("stages", "0", "opt_state", "0", "mu"), "lacks"))
+    The checkpoint lacks stages/0/opt_state/0/mu of this pipeline's state: it was saved ...
+    """
+    return ValueError(
+        f"The checkpoint {holds_or_lacks} {'/'.join(path)} "
+        f"{'beyond' if holds_or_lacks == 'holds' else 'of'} this pipeline's state: it was "
+        "saved with another method, optimizer, predict, weights or memory setting. Resume "
+        "with the options it was written with."
+    )
 
 
 def _is_stashed_weight(path) -> bool:
