@@ -6,9 +6,11 @@ import os
 import signal
 
 import pytest
+from helpers import ROOT
 from training import quiet, small_config, stop_at_call
 
-from dgrad.train import SetupError, Stopped, StopRequests, build, metrics, train
+from dgrad.train import SetupError, Stopped, StopRequests, build, metrics, train, workdir
+from dgrad.train.cli import load_config
 
 
 def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path):
@@ -96,6 +98,19 @@ def test_a_workdir_of_another_experiment_is_refused_before_anything_is_written(t
         train(small_config(), tmp_path / "other", log=quiet)
     # Fields that only change how the run is watched may differ.
     train(small_config(num_epochs=1, log_every_steps=4, placement="one_per_device"), tmp_path)
+
+
+def test_a_workdir_trained_on_another_corpus_is_refused(tmp_path):
+    """The offline corpus is this interpreter's standard library: the same config read on
+    another Python is another corpus, which `config.json` records and a resume checks."""
+    config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
+    elsewhere = {**build.load_dataset(config).fingerprint, "python": "3.0.1", "sha256": "0ff1ce"}
+    workdir.create(workdir.inspect(tmp_path, config), config, elsewhere)
+    before = (tmp_path / "config.json").read_text()
+    with pytest.raises(SetupError, match=r"another corpus \(python 3.0.1 -> 3.*, sha256 0ff1ce"):
+        train(config, tmp_path, log=quiet)
+    assert (tmp_path / "config.json").read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
 
 
 def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):

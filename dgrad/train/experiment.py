@@ -162,6 +162,7 @@ def train(
         dataset = build.load_dataset(config)
         stop.check("loading the data")
         try:
+            workdir.check_corpus(plan, dataset.fingerprint)
             steps_per_epoch = build.steps_per_epoch(config, dataset, cut=plan.resumes)
             if 0 < steps_per_epoch < config.steps_per_epoch:
                 log(
@@ -186,7 +187,8 @@ def train(
                 context.enter_context(workdir.hold(plan.path))
                 held = workdir.inspect(workdir_path, config, extend=extend)  # as it is now
                 plan = dataclasses.replace(held, existed=plan.existed)
-                workdir.create(plan, config)
+                workdir.check_corpus(held, dataset.fingerprint)
+                workdir.create(plan, config, dataset.fingerprint)
             except ValueError as error:
                 problem = str(error)
         problem = distributed.told_by_process_0(f"workdir {plan.path}", problem)

@@ -4,7 +4,9 @@ A workdir holds one experiment: its `config.json` and one directory per run.
 A command may start a new experiment in a missing or empty directory, resume
 the experiment a workdir holds (fields that only change how a run is watched
 or fed may differ), or, with `extend`, train a finished experiment for more
-epochs. Anything else is refused with the fields that differ. A start that
+epochs. Anything else is refused with the fields that differ. A text corpus'
+fingerprint is kept in `config.json` beside the config (`corpus`): the same
+config read on another Python is another corpus, and is refused too. A start that
 fails before its first checkpoint takes back what it wrote. While a command
 trains in a workdir it holds the workdir's lock (`hold`): a second command
 for the same workdir is refused until the first ends.
@@ -34,6 +36,7 @@ from dgrad.train import config as fields
 from dgrad.train import metrics
 
 CONFIG_FILE = "config.json"
+CORPUS_KEY = "corpus"  # config.json's entry for the text corpus' fingerprint
 LOCK_FILE = ".lock"
 
 
@@ -60,6 +63,7 @@ class Plan:
       existed: whether the directory was there before this command.
       saved: the config the workdir holds (its JSON), if any.
       extends_from: with `extend`, the number of epochs the workdir was trained for.
+      corpus: the fingerprint of the text corpus the workdir was trained on, if any.
 
     >>> import os, tempfile
     >>> from dgrad.train import config as fields
@@ -73,6 +77,7 @@ class Plan:
     existed: bool
     saved: dict[str, Any] | None
     extends_from: int | None = None
+    corpus: dict[str, Any] | None = None
 
     @property
     def resumes(self) -> bool:
@@ -111,6 +116,7 @@ def inspect(
         )
     with open(config_path) as f:
         saved = json.load(f)
+    corpus = saved.pop(CORPUS_KEY, None)
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
     if extend and new["num_epochs"] < old["num_epochs"]:
         raise WorkdirError(
@@ -133,7 +139,32 @@ def inspect(
             f"{path} holds another experiment (this config differs in: {differences}){hint}; "
             f"resume it with its own config ({config_path}), or use a new --workdir."
         )
-    return Plan(path, True, saved, extends_from)
+    return Plan(path, True, saved, extends_from, corpus)
+
+
+def check_corpus(plan: Plan, fingerprint: dict[str, Any] | None) -> None:
+    """Raises `WorkdirError` if the workdir was trained on another text corpus than the
+    one this command read (`dgrad.data.Dataset.fingerprint`).
+
+    >>> plan = Plan("/runs/gpt", True, {}, corpus={"python": "3.11.9", "sha256": "1f0e"})
+    >>> check_corpus(plan, {"python": "3.11.9", "sha256": "1f0e"})  # the same: resumes
+    >>> check_corpus(plan, {"python": "3.12.4", "sha256": "77aa"})
+    Traceback (most recent call last):
+    ...
+    dgrad.train.workdir.WorkdirError: ... another corpus (python 3.11.9 -> 3.12.4, sha256 ...
+    """
+    if plan.corpus is None or plan.corpus == fingerprint:
+        return
+    fingerprint = fingerprint or {}
+    changed = ", ".join(
+        f"{name} {plan.corpus.get(name)} -> {fingerprint.get(name)}"
+        for name in sorted(plan.corpus.keys() | fingerprint.keys())
+        if plan.corpus.get(name) != fingerprint.get(name)
+    )
+    raise WorkdirError(
+        f"{plan.path} was trained on another corpus ({changed}); resume it with the "
+        "interpreter and data it was started with, or use a new --workdir."
+    )
 
 
 @contextlib.contextmanager
@@ -191,8 +222,11 @@ def _held_by_another(path: str) -> WorkdirError:
     )
 
 
-def create(plan: Plan, config: ml_collections.ConfigDict) -> None:
-    """Makes the workdir and writes the config (atomically) that it now holds.
+def create(
+    plan: Plan, config: ml_collections.ConfigDict, corpus: dict[str, Any] | None = None
+) -> None:
+    """Makes the workdir and writes the config (atomically) that it now holds, with the
+    fingerprint of the text `corpus` it trains on.
 
     >>> import os, tempfile
     >>> from dgrad.train import config as fields
@@ -205,7 +239,9 @@ def create(plan: Plan, config: ml_collections.ConfigDict) -> None:
     os.makedirs(plan.path, exist_ok=True)
     temporary = os.path.join(plan.path, CONFIG_FILE + ".tmp")
     with open(temporary, "w") as f:
-        json.dump(fields.to_json(config), f, indent=2)
+        json.dump(
+            {**fields.to_json(config), **({CORPUS_KEY: corpus} if corpus else {})}, f, indent=2
+        )
     os.replace(temporary, os.path.join(plan.path, CONFIG_FILE))
 
 
