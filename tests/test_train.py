@@ -7,7 +7,7 @@ import signal
 import jax
 import pytest
 from flax import nnx
-from helpers import assert_equal
+from helpers import ROOT, assert_equal
 from training import quiet, records, small_config, stop_at_call
 
 import dgrad
@@ -15,6 +15,7 @@ from dgrad import data
 from dgrad.options import method_title
 from dgrad.train import Stopped, build, export, metrics, train
 from dgrad.train.checkpoint import Checkpointer
+from dgrad.train.cli import load_config
 
 
 @pytest.mark.parametrize(
@@ -41,26 +42,60 @@ def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(
     )
     if optimizer != "sgd":
         config.optimizer.learning_rate = 1e-3
-    train(config, tmp_path / "whole", devices=jax.devices()[:3], log=quiet)
-
-    restore = stop_at_call(monkeypatch, 13)
-    with pytest.raises(Stopped) as stopped:
-        train(config, tmp_path / "cut", devices=jax.devices()[:3], log=quiet)
-    restore()
-    assert stopped.value.checkpoint_step == 13 and stopped.value.signal_number == signal.SIGTERM
     run = f"{method}_k3" + (f"_m{microbatches}" if microbatches else "")
     title = f"{method_title(method)} K=3" + (f" M={microbatches}" if microbatches else "")
-    assert sorted(os.listdir(tmp_path / "cut" / run / "checkpoints")) == ["10", "13"]
+    assert_resumes_exactly(tmp_path, monkeypatch, config, (run, title), 13, ["10", "13"])
+
+
+@pytest.mark.parametrize(
+    "method, optimizer",
+    [
+        ("fdg", "adamw"),
+        pytest.param("ddg", "muon", marks=pytest.mark.slow),
+        pytest.param("2bw", "async_nesterov", marks=pytest.mark.slow),
+        pytest.param("fdg", "sgd", marks=pytest.mark.slow),
+    ],
+)
+def test_a_stopped_language_model_resumes_to_the_same_bits_during_its_warm_up(
+    tmp_path, monkeypatch, method, optimizer
+):
+    """The GPT of lm_stdlib.py's smoke variant, each stage clipped, stopped at step 6 of its
+    8 steps of warm-up and resumed on another layout, ends as the run never stopped."""
+    config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
+    config.method, config.baseline, config.optimizer.name = method, "", optimizer
+    config.log_every_steps, config.checkpoint_every_steps = 3, 5
+    assert config.optimizer.warmup_epochs == 1 and config.optimizer.clip_norm == 1.0
+    run = (f"{method}_k2", f"{method_title(method)} K=2")
+    assert_resumes_exactly(tmp_path, monkeypatch, config, run, 6, ["5", "6"])
+
+
+def assert_resumes_exactly(tmp_path, monkeypatch, config, run_and_title, stop_at, checkpoints):
+    """The one run of `config`, stopped at step `stop_at` (keeping `checkpoints`) and
+    resumed on the devices in reverse, writes the records and exports the model of a run
+    that never stopped."""
+    devices = jax.devices()[: config.num_stages]
+    train(config, tmp_path / "whole", devices=devices, log=quiet)
+
+    restore = stop_at_call(monkeypatch, stop_at)
+    with pytest.raises(Stopped) as stopped:
+        train(config, tmp_path / "cut", devices=devices, log=quiet)
+    restore()
+    assert stopped.value.checkpoint_step == stop_at
+    assert stopped.value.signal_number == signal.SIGTERM
+    run, title = run_and_title
+    assert sorted(os.listdir(tmp_path / "cut" / run / "checkpoints")) == checkpoints
     lines = []
     train(config, tmp_path / "cut", devices=jax.devices()[::-1], log=lines.append)
-    assert any("resumed from the checkpoint at step 13" in line for line in lines)
+    assert any(f"resumed from the checkpoint at step {stop_at}" in line for line in lines)
     assert records(tmp_path / "cut", run) == records(tmp_path / "whole", run)
 
     lines = []  # once more: finished, nothing is built or trained
     again = train(config, tmp_path / "cut", log=lines.append)
     assert lines == [f"{tmp_path / 'cut'} finished earlier: nothing left to train."]
-    assert again[title] == records(tmp_path / "cut", run)[-1] | {"seconds": again[title]["seconds"]}
-    dataset = data.load(config.dataset)
+    last = records(tmp_path / "cut", run)[-1]
+    clock = {k: v for k, v in again[title].items() if k in ("seconds", "tokens_per_second")}
+    assert again[title] == last | clock and "seconds" in clock
+    dataset = build.load_dataset(config)
     stages = build.build_stages(config, config.num_stages, dataset)
     whole = nnx.state(export.load(stages, tmp_path / "whole" / run / "model"))
     stages = build.build_stages(config, config.num_stages, dataset)

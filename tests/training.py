@@ -32,8 +32,9 @@ def small_config(**overrides):
 
 
 def records(workdir, run):
+    """A run's records without what the clock measured."""
     return [
-        {k: v for k, v in r.items() if k != "seconds"}
+        {k: v for k, v in r.items() if k not in ("seconds", "tokens_per_second")}
         for r in metrics.read(workdir / run / "metrics.jsonl")
     ]
 
