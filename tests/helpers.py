@@ -171,7 +171,10 @@ def check_on_layouts(model, num_stages, method, names=None, memory="residuals", 
     """The pipeline of `method` with `options` (and `memory`) matches the reference on every
     layout of `layouts(num_stages, replicas=2)` (or those `names`d); replicated layouts use
     the smooth optimizer (see SMOOTH_OPTIMIZER)."""
-    for name, layout, tx in layouts_and_optimizers(num_stages, replicas=2):
+    found = list(layouts_and_optimizers(num_stages, replicas=2))
+    missing = set(names or ()) - {name for name, _, _ in found}
+    assert not missing, f"no layout {sorted(missing)} on {len(jax.devices())} devices"
+    for name, layout, tx in found:
         if names and name not in names:
             continue
         ref = reference(model, num_stages, method=method, optimizer=tx, **options)

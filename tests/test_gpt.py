@@ -2,11 +2,14 @@
 method and memory policy to the reference's numbers on one device, on one device per stage
 and with every stage replicated."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import (
+    ROOT,
     assert_close,
     assert_matches_reference,
     batches,
@@ -17,6 +20,7 @@ from helpers import (
     reference,
     run_pipeline,
 )
+from processes import run_command
 
 from dgrad import models
 
@@ -58,10 +62,32 @@ def test_the_embedding_is_on_stage_0_and_the_head_on_the_last():
         pytest.param(3, "2bw", dict(microbatches=2), marks=SLOW),
         pytest.param(2, "fdg", dict(memory="dots"), marks=SLOW),
         pytest.param(2, "pipedream", {}, marks=SLOW),
+        pytest.param(2, "bp", {}, marks=SLOW),
+        pytest.param(4, "bp", {}, marks=SLOW),
+        pytest.param(3, "ddg", dict(memory="recompute"), marks=SLOW),
+        pytest.param(2, "1f1b", dict(microbatches=2), marks=SLOW),
+        pytest.param(2, "ddg", dict(memory="dots"), marks=SLOW),
     ],
 )
 def test_gpt_stages_match_the_reference(num_stages, method, options):
     check_on_layouts("gpt", num_stages, method, **options)
+
+
+@SLOW
+def test_gpt_with_every_stage_replicated_at_three_and_four_stages(request):
+    """K x D beyond the 4 test devices: K = 3 and 4 with 2 replicas per stage, on 8 fake
+    devices (the test reruns itself in a process of its own that has them)."""
+    if len(jax.devices()) < 8:
+        run_command(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+            timeout=900,
+            cwd=ROOT,
+            env={"DGRAD_TEST_DEVICES": "8"},
+        )
+        return
+    for num_stages in (3, 4):
+        for method, options in [("fdg", {}), ("ddg", {}), ("gpipe", dict(microbatches=2))]:
+            check_on_layouts("gpt", num_stages, method, names=["2 replicas per stage"], **options)
 
 
 @SLOW
