@@ -2,10 +2,12 @@
 with AdamW, warm-up then cosine, and each stage's gradient clipped at norm 1; fused BP
 beside it. For GPU hosts with 4 devices.
 
-Byte-level tokens: 86M parameters, not GPT-2's 124M, whose extra 38M are mostly the embedding of
-its 50,257 subword tokens (subword tokens are not in dgrad yet). Reads tfds's `lm1b`
-(prepare it once, like CIFAR: the error says how; `--config.dataset=NAME:FEATURE` takes
-any other tfds text). `:smoke` is a CPU-sized run of the same pipeline and data.
+GPT-2's vocabulary size: a byte-level BPE of 50,257 tokens trained on the training split (once,
+then kept beside the data). 163M parameters: GPT-2 small's 124M plus the untied output head's
+38.6M (tied, the embedding and the head would sit on two devices with gradients of different
+staleness). `--config.tokenizer=bytes` gives 86M. Reads tfds's `lm1b` (prepare it once, like
+CIFAR: the error says how; `--config.dataset=NAME:FEATURE` takes any other tfds text).
+`:smoke` is a CPU-sized run of the same pipeline and data.
 
     python -m experiments.train --config experiments/configs/lm_gpt2_small.py --workdir runs/gpt2s
     python -m experiments.train --config experiments/configs/lm_gpt2_small.py \\
@@ -20,6 +22,8 @@ def get_config(variant: str = ""):
     config = fields.base()
     config.dataset = "lm1b"
     config.context = 1024
+    config.tokenizer = "bpe"
+    config.vocab_size = 50257
     config.model.name = "gpt"
     config.model.depth = 12
     config.model.width = 768
