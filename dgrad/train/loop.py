@@ -161,6 +161,26 @@ class RunContext:
         return jax.process_index() == 0
 
 
+def epoch_line(record: dict[str, Any]) -> str:
+    """The console's line for an epoch's record: test bits per byte for text, else accuracy.
+
+    >>> epoch_line({"epoch": 3, "train_loss": 0.52, "test_accuracy": 0.91, "seconds": 4.0})
+    '  epoch    3  train loss 0.5200  test accuracy 0.9100  (4.0 s)'
+    >>> epoch_line({"epoch": 3, "train_loss": 2.1, "test_accuracy": 0.4,
+    ...             "test_bits_per_byte": 2.88, "seconds": 9.0})
+    '  epoch    3  train loss 2.1000  test bits per byte 2.8800  (9.0 s)'
+    """
+    shown = (
+        f"test bits per byte {record['test_bits_per_byte']:.4f}"
+        if "test_bits_per_byte" in record
+        else f"test accuracy {record['test_accuracy']:.4f}"
+    )
+    return (
+        f"  epoch {record['epoch']:4d}  train loss {record.get('train_loss', math.nan):.4f}  "
+        f"{shown}  ({record['seconds']:.1f} s)"
+    )
+
+
 def text_metrics(
     record: dict[str, Any], tokens_per_epoch: int, fingerprint: dict | None = None
 ) -> dict[str, Any]:
@@ -446,12 +466,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                         record.update(text_metrics(record, per_epoch, ctx.dataset.fingerprint))
                     if writer is not None:
                         writer.write(record)
-                    progress.write(
-                        f"  epoch {record['epoch']:4d}  train loss "
-                        f"{record.get('train_loss', math.nan):.4f}  test accuracy "
-                        f"{record['test_accuracy']:.4f}  ({record['seconds']:.1f} s)",
-                        ctx.log,
-                    )
+                    progress.write(epoch_line(record), ctx.log)
                     epoch_start = time.perf_counter()
                 if due.save or stopping:
                     save()
