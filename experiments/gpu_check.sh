@@ -4,8 +4,8 @@
 # (ResNet-56 and WRN-28-10, batch 128). On one GPU the stages share it (K = 1, 2): that
 # measures the overhead of staging, not a speedup. Then the GPT rows: AsyncPP's GPT (8
 # blocks, d = 768, 12 heads, context 512) in tokens/s and model FLOPs utilisation against
-# $PEAK_TFLOPS (default 989, an H100's or H200's dense bf16 peak; the runs are float32, so
-# this is a floor of what the device could give).
+# $PEAK_TFLOPS (default 495, an H100's or H200's dense TF32 peak: the runs are float32, whose
+# matmuls JAX runs on TF32 tensor cores at its default precision; 989 is the dense bf16 one).
 #
 #   bash experiments/gpu_check.sh            # uses .venv/bin/python, or $PYTHON
 #   bash experiments/gpu_check.sh --stages 1,2,4,8   # flags given go to both benchmarks
@@ -25,4 +25,4 @@ for model in resnet56 wrn28-10; do
 done
 "$python" -m experiments.benchmark --model gpt --layers 8 --dim 768 --heads 12 --context 512 \
   --batch-size 16 --stages "$stages" --split balanced --methods ddg,fdg,1f1b \
-  --microbatches 4 --windows 5 --steps 5 --peak-tflops "${PEAK_TFLOPS:-989}" "$@"
+  --microbatches 4 --windows 5 --steps 5 --peak-tflops "${PEAK_TFLOPS:-495}" "$@"
