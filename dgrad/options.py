@@ -74,8 +74,9 @@ def _choice(name: str, value, choices) -> None:
 
 
 def _integer(name: str, value, minimum: int, fix: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}; {fix}.")
+    from dgrad.optim import checks  # (dgrad.optim imports this module)
+
+    checks.integer(name, value, minimum, what=f"an integer >= {minimum}", fix=fix)
 
 
 @dataclasses.dataclass(frozen=True)

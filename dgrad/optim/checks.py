@@ -49,9 +49,17 @@ def non_negative(name: str, value) -> float:
     return float(value)
 
 
-def integer(name: str, value, minimum: int = 0, what: str | None = None, fix: str = "") -> int:
-    """`value` if it is an integer (not a bool) >= `minimum`; else ValueError naming `name`,
-    saying it must be `what` (default: a non-negative or positive integer) and how to `fix`.
+def integer(
+    name: str,
+    value,
+    minimum: int = 0,
+    what: str | None = None,
+    fix: str = "",
+    maximum: int | None = None,
+) -> int:
+    """`value` if it is an integer (not a bool) in [`minimum`, `maximum`]; else ValueError
+    naming `name`, saying it must be `what` (default: a non-negative or positive integer)
+    and how to `fix`.
 
     >>> integer("every", 0, minimum=1)
     Traceback (most recent call last):
@@ -61,8 +69,17 @@ def integer(name: str, value, minimum: int = 0, what: str | None = None, fix: st
     Traceback (most recent call last):
     ...
     ValueError: tau must be a non-negative integer number of updates, got 2.0.
+    >>> integer("stage", 3, maximum=2, what="a stage index in 0..2")
+    Traceback (most recent call last):
+    ...
+    ValueError: stage must be a stage index in 0..2, got 3.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
         if what is None:
             what = {0: "a non-negative integer", 1: "a positive integer"}.get(
                 minimum, f"an integer >= {minimum}"

@@ -54,7 +54,7 @@ def delay_compensation(
     decay, eps = unit_interval("decay", decay), non_negative("eps", eps)
 
     def init_fn(params):
-        return DelayCompensationState(jax.tree.map(jnp.zeros_like, params) if adaptive else None)
+        return DelayCompensationState(optax.tree.zeros_like(params) if adaptive else None)
 
     def update_fn(updates, state, params=None, *, stale_params=None, **extra_args):
         del extra_args
@@ -65,9 +65,7 @@ def delay_compensation(
             )
         mean_square = state.mean_square
         if adaptive:
-            mean_square = jax.tree.map(
-                lambda ms, g: decay * ms + (1 - decay) * g * g, mean_square, updates
-            )
+            mean_square = optax.tree.update_moment_per_elem_norm(updates, mean_square, decay, 2)
             scale = jax.tree.map(lambda ms: strength / jnp.sqrt(ms + eps), mean_square)
         else:
             scale = jax.tree.map(lambda g: jnp.asarray(strength, g.dtype), updates)

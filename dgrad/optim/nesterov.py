@@ -294,10 +294,8 @@ def async_nesterov_for(
     transforms = [async_nesterov(learning_rate, tau, denominator, **options) for tau in delays]
 
     def of_stage(stage: int) -> optax.GradientTransformationExtraArgs:
-        if isinstance(stage, bool) or not isinstance(stage, numbers.Integral):
-            stage = None
-        if stage is None or not 0 <= stage < num_stages:
-            raise ValueError(f"a stage index in 0..{num_stages - 1} is due, got {stage!r}.")
+        last = num_stages - 1
+        integer("stage", stage, maximum=last, what=f"a stage index in 0..{last}")
         return transforms[stage]
 
     return of_stage

@@ -27,7 +27,7 @@ def momentum_of(opt_state) -> Any:
     >>> momentum_of(optax.sgd(0.1, momentum=0.9).init(jnp.zeros(2)))
     Array([0., 0.], dtype=float32)
     """
-    traces = optax.tree_utils.tree_get_all_with_path(opt_state, "trace")
+    traces = optax.tree.get_all_with_path(opt_state, "trace")
     if not traces:
         raise ValueError(
             "Weight prediction by momentum needs a momentum trace in the optimizer state; use "
@@ -51,7 +51,7 @@ def predict_weights(params, opt_state, tau: int, learning_rate: float):
     """
     integer("tau", tau)
     velocity = momentum_of(opt_state)
-    return jax.tree.map(lambda w, v: w - tau * learning_rate * v, params, velocity)
+    return optax.tree.add_scale(params, -tau * learning_rate, velocity)
 
 
 class RememberUpdateState(NamedTuple):
@@ -126,4 +126,4 @@ def extrapolate_weights(params, opt_state, tau: int):
     Array([0.19999999], dtype=float32)
     """
     integer("tau", tau)
-    return jax.tree.map(lambda w, u: w + tau * u, params, last_update_of(opt_state))
+    return optax.tree.add_scale(params, tau, last_update_of(opt_state))
