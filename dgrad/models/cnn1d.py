@@ -20,7 +20,8 @@ from typing import Sequence
 import jax
 from flax import nnx
 
-from dgrad.models.common import as_rngs, he_normal
+from dgrad.models.common import as_rngs, conv, he_normal
+from dgrad.models.common import batch_norm as _bn
 from dgrad.models.split import Blocks
 
 STEM_KERNEL, STEM_STRIDE, KERNEL = 5, 2, 3
@@ -29,21 +30,7 @@ _LENGTH_AFTER_STEM = 20
 
 
 def _conv(in_ch, out_ch, kernel, rngs, *, stride=1):
-    return nnx.Conv(
-        in_ch,
-        out_ch,
-        (kernel,),
-        strides=stride,
-        padding=((kernel // 2, kernel // 2),),
-        use_bias=False,
-        kernel_init=he_normal,
-        rngs=rngs,
-    )
-
-
-def _bn(channels, rngs):
-    # PyTorch's momentum 0.1 is Flax's 0.9.
-    return nnx.BatchNorm(channels, momentum=0.9, epsilon=1e-5, rngs=rngs)
+    return conv(in_ch, out_ch, (kernel,), rngs, stride=stride)
 
 
 class Stem1d(nnx.Module):

@@ -18,29 +18,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dgrad.models.common import as_rngs, he_normal
+from dgrad.models.common import as_rngs, conv, he_normal
+from dgrad.models.common import batch_norm as _bn
 from dgrad.models.split import Blocks
-
-_PAD = ((1, 1), (1, 1))
 
 
 def _conv(in_ch, out_ch, rngs, *, stride=1, kernel=3):
-    padding = _PAD if kernel == 3 else "VALID"
-    return nnx.Conv(
-        in_ch,
-        out_ch,
-        (kernel, kernel),
-        strides=stride,
-        padding=padding,
-        use_bias=False,
-        kernel_init=he_normal,
-        rngs=rngs,
-    )
-
-
-def _bn(channels, rngs):
-    # PyTorch's momentum 0.1 is Flax's 0.9.
-    return nnx.BatchNorm(channels, momentum=0.9, epsilon=1e-5, rngs=rngs)
+    return conv(in_ch, out_ch, (kernel, kernel), rngs, stride=stride)
 
 
 class Stem(nnx.Module):
