@@ -1,8 +1,8 @@
 """Test setup: four fake CPU devices (DGRAD_TEST_DEVICES) and a persistent compilation cache.
 
 Both must be configured before JAX runs anything, hence at import time here.
-`pytest -m "not slow"` is the fast subset (every module, in minutes); the CI
-runs everything.
+`pytest -m "not slow" -n 2` is the fast subset (every module, on two cores in about two
+minutes); the CI runs everything, one test at a time.
 """
 
 import os

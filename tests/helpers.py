@@ -50,6 +50,13 @@ def build_stages(model: str, num_stages: int):
 VOCAB, CONTEXT = 11, 6  # the test GPT's tokens and window
 
 
+def chained(stages, x):
+    """`x` through the stages in order (the model they cut, called eagerly)."""
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
 def input_shape(model: str):
     return {"mlp": (BATCH, 6), "gpt": (BATCH, CONTEXT)}.get(model, (BATCH, 8, 8, 1))
 

@@ -140,31 +140,31 @@ def test_a_mistake_gets_one_line_and_status_2(tmp_path, args, message):
     assert not (tmp_path / "run").exists()
 
 
-def test_an_unprepared_dataset_says_how_to_prepare_it(tmp_path):
+@pytest.mark.parametrize(
+    "arguments, prepare, instead",
+    [
+        (["--config=experiments/configs/cifar10_resnet56.py:smoke"], "cifar10", "synthetic"),
+        (
+            [
+                "--config=experiments/configs/lm_stdlib.py:smoke",
+                "--config.dataset=tiny_shakespeare",
+            ],
+            "tiny_shakespeare",
+            "stdlib",
+        ),
+    ],
+)
+def test_an_unprepared_dataset_says_how_to_prepare_it(tmp_path, arguments, prepare, instead):
     status, output = cli(
-        "--config=experiments/configs/cifar10_resnet56.py:smoke",
+        *arguments,
         f"--config.data_dir={tmp_path}",
         f"--workdir={tmp_path / 'run'}",
         timeout=120,
     )
     assert status == 2 and "Traceback" not in output and "WARNING" not in output, output
     (error,) = [line for line in output.splitlines() if line.startswith("error:")]
-    assert "tfds build cifar10 --file_format=array_record" in error
-    assert "--config.dataset=synthetic" in error
-
-
-def test_an_unprepared_text_dataset_says_how_to_prepare_it(tmp_path):
-    status, output = cli(
-        "--config=experiments/configs/lm_stdlib.py:smoke",
-        "--config.dataset=tiny_shakespeare",
-        f"--config.data_dir={tmp_path}",
-        f"--workdir={tmp_path / 'run'}",
-        timeout=120,
-    )
-    assert status == 2 and "Traceback" not in output and "WARNING" not in output, output
-    (error,) = [line for line in output.splitlines() if line.startswith("error:")]
-    assert "tfds build tiny_shakespeare --file_format=array_record" in error
-    assert "--config.dataset=stdlib" in error
+    assert f"tfds build {prepare} --file_format=array_record" in error
+    assert f"--config.dataset={instead}" in error
 
 
 def test_help_lists_every_field_and_exits_0():

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from helpers import chained
 
 import dgrad
 from dgrad import data, models
@@ -96,12 +97,6 @@ def test_load_gives_the_dataset(cache, monkeypatch):
     assert x.shape == (16, 40, 1) and x.dtype == np.float32 and y.dtype == np.int32
 
 
-def _run(stages, x):
-    for stage in stages:
-        x = stage(x)
-    return x
-
-
 def test_cnn1d_is_eight_equal_blocks():
     blocks = models.cnn1d_blocks()
     assert len(blocks.modules) == 8
@@ -116,10 +111,10 @@ def test_cnn1d_is_eight_equal_blocks():
 
 def test_splitting_does_not_change_the_cnn1d():
     x = jax.random.normal(jax.random.key(0), (4, 40, 1))
-    whole = _run(models.cnn1d(num_stages=1, rngs=3), x)
+    whole = chained(models.cnn1d(num_stages=1, rngs=3), x)
     assert whole.shape == (4, 10)
     for k in range(2, 9):
-        np.testing.assert_allclose(_run(models.cnn1d(num_stages=k, rngs=3), x), whole, atol=1e-5)
+        np.testing.assert_allclose(chained(models.cnn1d(num_stages=k, rngs=3), x), whole, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from helpers import chained
 
 from dgrad import models
 from dgrad.models.split import balanced_cuts
@@ -15,25 +16,19 @@ def count_params(stages):
     return sum(x.size for s in stages for x in jax.tree.leaves(nnx.state(s, nnx.Param)))
 
 
-def run(stages, x):
-    for stage in stages:
-        x = stage(x)
-    return x
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("depth,params", [(20, 269_722), (56, 853_018)])
 def test_cifar_resnet_has_the_papers_size(depth, params):
     stages = models.cifar_resnet(depth, num_stages=2)
     assert count_params(stages) == params
-    assert run(stages, jnp.zeros((2, 32, 32, 3))).shape == (2, 10)
+    assert chained(stages, jnp.zeros((2, 32, 32, 3))).shape == (2, 10)
 
 
 def test_splitting_does_not_change_the_model():
     x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3))
-    whole = run(models.cifar_resnet(20, num_stages=1, rngs=3), x)
+    whole = chained(models.cifar_resnet(20, num_stages=1, rngs=3), x)
     for k in (2, 3, 4, 11):
-        split = run(models.cifar_resnet(20, num_stages=k, rngs=3), x)
+        split = chained(models.cifar_resnet(20, num_stages=k, rngs=3), x)
         assert jnp.allclose(split, whole, atol=1e-5)
 
 
