@@ -74,11 +74,7 @@ tokens = Transform(lambda inputs, targets, rows: (inputs, targets))  # already i
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    """A tokenised text's train and test tokens, its vocabulary size and fingerprint.
-
-    >>> Corpus(np.zeros(4, np.uint8), np.zeros(2, np.uint8), 256, {}).vocab_size
-    256
-    """
+    """A tokenised text's train and test tokens, its vocabulary size and fingerprint."""
 
     train: np.ndarray
     test: np.ndarray

@@ -169,8 +169,8 @@ class Blocks:
 
     >>> from dgrad.models import mlp_blocks
     >>> blocks = Blocks(mlp_blocks([4, 8, 8, 3]).modules, costs=[1, 1, 2], authors={2: [1]})
-    >>> len(blocks.modules), blocks.name
-    (3, 'This model')
+    >>> [len(s.layers) for s in blocks.stages(2, "authors")], len(blocks.stages(2, [2])[0].layers)
+    ([1, 2], 2)
     """
 
     modules: list

@@ -2,7 +2,8 @@
 
 The modules: `experiment` (what `python -m experiments.train` runs: one
 experiment's runs, start to end), `config` (the fields and their checks),
-`build` (config to pipeline, the papers' recipe), `loop` (one run's steps),
+`config_files` (reading config files), `recipes` (the papers' recipes and the
+smoke variant), `build` (config to pipeline), `loop` (one run's steps),
 `evaluate`, `workdir`, `checkpoint`, `export`, `metrics`, `progress`,
 `signals`, `watchdog`, `sweep` and `cli` (the command line).
 """

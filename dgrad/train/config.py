@@ -312,12 +312,7 @@ BASELINE_LABEL = "bp_fused"  # the directory of the fused-BP baseline run
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One training run of an experiment.
-
-    >>> run = Run("fdg_k2", "FDG K=2", "fdg", 2, False)
-    >>> run.label, run.title, run.num_stages
-    ('fdg_k2', 'FDG K=2', 2)
-    """
+    """One training run of an experiment (`runs_of` makes them from a config)."""
 
     label: str  # directory name under the workdir
     title: str  # for people

@@ -139,9 +139,6 @@ class RunContext:
     """What a run needs beside its config: where it writes and how it reports.
 
     See `train_run` for one built and trained; `dgrad.train.train` builds them.
-
-    >>> sorted(f.name for f in dataclasses.fields(RunContext))[:4]
-    ['dataset', 'extends_from', 'initial', 'log']
     """
 
     run: Run

@@ -432,12 +432,8 @@ class Sweep:
 
 
 class Quantity(NamedTuple):
-    """What a sweep's table and plot show: a row field, its title, its scale and digits.
-
-    >>> row = {"final_test_accuracy": 0.9731}
-    >>> f"{ACCURACY.scale * row[ACCURACY.field]:.{ACCURACY.digits}f} ({ACCURACY.title})"
-    '97.31 (test accuracy %)'
-    """
+    """What a sweep's table and plot show: a row field, its title, its scale and digits
+    (`quantity_of` picks one)."""
 
     field: str
     title: str
