@@ -22,6 +22,8 @@ import dataclasses
 import math
 import numbers
 
+from dgrad import checks
+
 METHODS = ("bp", "ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
 TITLES = {"gpipe": "GPipe", "pipedream": "PipeDream", "2bw": "PipeDream-2BW"}  # else upper case
 
@@ -74,8 +76,6 @@ def _choice(name: str, value, choices) -> None:
 
 
 def _integer(name: str, value, minimum: int, fix: str) -> None:
-    from dgrad.optim import checks  # (dgrad.optim imports this module)
-
     checks.integer(name, value, minimum, what=f"an integer >= {minimum}", fix=fix)
 
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dgrad.optim.checks import non_negative, unit_interval
+from dgrad.checks import non_negative, unit_interval
 
 
 class DelayCompensationState(NamedTuple):

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dgrad.optim.checks import integer
+from dgrad.checks import integer
 from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.schedule import Schedule
 

@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dgrad.optim.checks import integer, non_negative, unit_interval
+from dgrad.checks import integer, non_negative, unit_interval
 from dgrad.schedule import Schedule
 
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from dgrad.optim.checks import integer
+from dgrad.checks import integer
 
 
 def momentum_of(opt_state) -> Any:

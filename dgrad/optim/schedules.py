@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dgrad.optim.checks import integer
+from dgrad.checks import integer
 
 
 class PipeMareState(NamedTuple):

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dgrad.optim.checks import integer
+from dgrad.checks import integer
 from dgrad.options import check_beta
 
 

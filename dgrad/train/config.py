@@ -88,7 +88,7 @@ class Field:
     >>> by_name = {field.name: field for field in FIELDS}
     >>> by_name["log_every_steps"]  # a resumed run may log at another pace
     Field(name='log_every_steps', default=50, help='steps between ...', kind=None, resumable=True)
-    >>> by_name["optimizer.nesterov"].default, by_name["optimizer.nesterov"].kind
+    >>> by_name["optimizer.nesterov"].default, by_name["optimizer.nesterov"].type
     (None, <class 'bool'>)
     """
 
@@ -98,6 +98,11 @@ class Field:
     kind: type | None = None  # the type of a field whose default is None
     resumable: bool = False
     rule: Rule | None = dataclasses.field(default=None, repr=False)  # checked by `check`
+
+    @property
+    def type(self) -> type:
+        """The type its values have: its default's, or `kind` where the default is None."""
+        return self.kind if self.default is None else type(self.default)
 
 
 _OPTIONS = {f.name: f for f in dataclasses.fields(Options)}
@@ -430,7 +435,7 @@ def parse_value(name: str, text: str) -> Any:
     if name not in by_name:
         raise ValueError(unknown_field(name))
     field = by_name[name]
-    expected = field.kind if field.default is None else type(field.default)
+    expected = field.type
     try:
         if field.default is None and text.lower() in ("none", ""):
             return None
@@ -529,7 +534,7 @@ def check(config: ml_collections.ConfigDict) -> None:
         value = values[field.name]
         if value is None:
             continue
-        expected = field.kind if field.default is None else type(field.default)
+        expected = field.type
         real = expected is float and isinstance(value, numbers.Real) and not isinstance(value, bool)
         wrong = not isinstance(value, expected) or (expected is int and isinstance(value, bool))
         if wrong and not real:

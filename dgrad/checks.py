@@ -1,4 +1,6 @@
-"""The checks of the transforms' numeric hyperparameters, in one place.
+"""The checks of numeric arguments, in one place: the optax transforms' hyperparameters
+and the pipeline's options. Imports only JAX, so that a config's check loads no model
+library.
 
 A value `optax.inject_hyperparams` feeds (a JAX array) passes as it is: it is
 known only when the update runs.
