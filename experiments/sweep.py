@@ -15,7 +15,7 @@ over seeds per setting, K as columns) and results.png. See `dgrad.train.sweep`.
 import os
 import sys
 
-from dgrad.train.cli import OneLineParser
+from dgrad.train.cli import OneLineParser, UsageError, config_overrides
 from dgrad.train.signals import StopRequests  # noqa: F401 -- imported first: quick start-up
 
 
@@ -29,9 +29,10 @@ def main(argv=None) -> int:
         "--summarise", action="store_true", help="only tabulate what has been run so far"
     )
     args, rest = parser.parse_known_args(argv)
-    unknown = [a for a in rest if not a.startswith("--config.")]
-    if unknown:
-        print(f"error: unknown argument {unknown[0]} (--help lists the flags)", file=sys.stderr)
+    try:
+        rest = config_overrides(rest)
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if args.parallel < 1:
         print(f"error: --parallel {args.parallel}: give 1 or more runs at a time", file=sys.stderr)

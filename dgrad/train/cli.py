@@ -157,6 +157,23 @@ def load_config(spec: str):
         raise UsageError(f"--config {error}") from None
 
 
+def config_overrides(rest: Sequence[str]) -> list[str]:
+    """The `--config.<field>=<value>` arguments among those a parser left; `UsageError` on
+    any other.
+
+    >>> config_overrides(["--config.seed=3"])
+    ['--config.seed=3']
+    >>> config_overrides(["--config.seed=3", "--sed=3"])
+    Traceback (most recent call last):
+    ...
+    dgrad.train.cli.UsageError: unknown argument --sed=3 (--help lists the flags)
+    """
+    unknown = [a for a in rest if not a.startswith("--config.")]
+    if unknown:
+        raise UsageError(f"unknown argument {unknown[0]} (--help lists the flags)")
+    return list(rest)
+
+
 def parse(argv: Sequence[str], default_config: str | None = None):
     """The parsed flags, and the config with its overrides applied.
 
@@ -167,10 +184,7 @@ def parse(argv: Sequence[str], default_config: str | None = None):
     ('runs/x', 'default', 3)
     """
     args, rest = _parser(default_config).parse_known_args(argv)
-    overrides = [a for a in rest if a.startswith("--config.")]
-    unknown = [a for a in rest if not a.startswith("--config.")]
-    if unknown:
-        raise UsageError(f"unknown argument {unknown[0]} (--help lists the flags)")
+    overrides = config_overrides(rest)
     if args.help:
         return args, None, None
     if args.config is None:

@@ -189,7 +189,21 @@ def plot_curves(
     if title:
         figure.suptitle(title)
     figure.tight_layout()
-    temporary = f"{os.fspath(path)}.tmp.png"  # whole or absent, even if stopped mid-write
+    return save_figure(figure, path)
+
+
+def save_figure(figure, path: str | os.PathLike) -> str:
+    """Writes the matplotlib `figure` to `path` as a PNG, whole or not at all (even if the
+    process is stopped mid-write); returns the path.
+
+    >>> import os, tempfile
+    >>> from matplotlib.figure import Figure
+    >>> with tempfile.TemporaryDirectory() as directory:
+    ...     path = save_figure(Figure(figsize=(1, 1)), os.path.join(directory, "a.png"))
+    ...     os.listdir(directory), open(path, "rb").read(4)
+    (['a.png'], b'\\x89PNG')
+    """
+    temporary = f"{os.fspath(path)}.tmp.png"
     figure.savefig(temporary, dpi=120)
     os.replace(temporary, path)
     return os.fspath(path)

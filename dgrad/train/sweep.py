@@ -525,4 +525,4 @@ def _plot_against_stages(groups, names, path, title, quantity: Quantity) -> None
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    metrics.save_figure(figure, path)
