@@ -273,7 +273,7 @@ def _as_saved(stored, saved):
     wanted = {_path(keys): leaf for keys, leaf in paths}
 
     def target_of(path):  # the target's path that receives `path`'s array
-        for candidate in (path, path[:-1] if path[-1] == "value" else None):
+        for candidate in (path, _weight_of_variable(path)):
             if candidate in wanted:
                 return candidate
         return None
@@ -323,6 +323,21 @@ def _mismatch(path, holds_or_lacks: str) -> ValueError:
         "saved with another method, optimizer, predict, weights or memory setting. Resume "
         "with the options it was written with."
     )
+
+
+def _weight_of_variable(path) -> tuple[str, ...] | None:
+    """The weight's path if `path` is where an `nnx.Variable` held it
+    (`stages/<k>/<params or rest>/.../<weight>/value`), else None.
+
+    >>> _weight_of_variable(("stages", "0", "params", "layers", "kernel", "value"))
+    ('stages', '0', 'params', 'layers', 'kernel')
+    >>> _weight_of_variable(("stages", "0", "params", "layers", "kernel")) is None
+    True
+    """
+    match path:
+        case ("stages", _stage, _, *weight, "value") if weight:
+            return path[:-1]
+    return None
 
 
 def _is_stashed_weight(path) -> bool:
