@@ -144,8 +144,9 @@ def plot_curves(
     title: str = "",
     probes: Mapping[str, Iterable[Mapping[str, Any]]] | None = None,
 ) -> str:
-    """Train loss and test accuracy per epoch of each run (label -> epoch records), and the
-    staleness probe's gradient cosine per stage where runs have `probes` records, as a PNG.
+    """Train loss and test accuracy (for text: bits per byte) per epoch of each run (label ->
+    epoch records), and the staleness probe's gradient cosine per stage where runs have
+    `probes` records, as a PNG.
 
     Drawn on a `matplotlib.figure.Figure` of its own: the global backend (a
     notebook's) is left alone.
@@ -176,13 +177,17 @@ def plot_curves(
         )
         probe_axes.grid(alpha=0.3)
         probe_axes.legend(fontsize=7)
+    runs = {label: list(records) for label, records in runs.items()}
+    text = any("test_bits_per_byte" in r for records in runs.values() for r in records)
+    shown, name = (
+        ("test_bits_per_byte", "test bits per byte") if text else ("test_accuracy", "test accuracy")
+    )
     for label, records in runs.items():
-        records = list(records)
         epochs = [r["epoch"] for r in records]
         loss_axes.plot(epochs, [r.get("train_loss", math.nan) for r in records], "o-", label=label)
-        accuracy_axes.plot(epochs, [r["test_accuracy"] for r in records], "o-", label=label)
+        accuracy_axes.plot(epochs, [r.get(shown, math.nan) for r in records], "o-", label=label)
     loss_axes.set(xlabel="epoch", ylabel="train loss", yscale="log", title="Training loss")
-    accuracy_axes.set(xlabel="epoch", ylabel="test accuracy", title="Test accuracy")
+    accuracy_axes.set(xlabel="epoch", ylabel=name, title=name.capitalize())
     for axes in (loss_axes, accuracy_axes):
         axes.grid(alpha=0.3)
         axes.legend()
