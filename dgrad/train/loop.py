@@ -211,29 +211,52 @@ def text_metrics(
 
 
 class Due(NamedTuple):
-    """What is due after a step: a train-metric record, an evaluation, a checkpoint.
+    """What is due after a step: a train-metric record, an evaluation, a checkpoint, a stop.
 
     >>> due_after(10, steps_per_epoch=10, log_every=4, checkpoint_every=0)
-    Due(log=False, evaluate=True, save=True)
+    Due(log=False, evaluate=True, save=True, stop=False)
     >>> due_after(8, steps_per_epoch=10, log_every=4, checkpoint_every=0)
-    Due(log=True, evaluate=False, save=False)
+    Due(log=True, evaluate=False, save=False, stop=False)
     """
 
     log: bool
     evaluate: bool
     save: bool
+    stop: bool = False
 
 
-def due_after(step: int, *, steps_per_epoch: int, log_every: int, checkpoint_every: int) -> Due:
+def due_after(
+    step: int,
+    *,
+    steps_per_epoch: int,
+    log_every: int,
+    checkpoint_every: int,
+    stop_agreed: Callable[[], bool] = lambda: False,
+    agree_every_step: bool = True,
+) -> Due:
     """What is due after `step` steps: a log every `log_every`, an evaluation and a
-    checkpoint at each epoch's end, a checkpoint every `checkpoint_every` (0: never).
+    checkpoint at each epoch's end, a checkpoint every `checkpoint_every` (0: never),
+    and a stop (after a checkpoint) if `stop_agreed()`. That is asked after every step
+    when `agree_every_step`, else only where something else is due: on several processes
+    it is a vote, cast at steps all of them reach alike, so that all save the same step.
 
     >>> due_after(6, steps_per_epoch=10, log_every=50, checkpoint_every=3)
-    Due(log=False, evaluate=False, save=True)
+    Due(log=False, evaluate=False, save=True, stop=False)
+    >>> asked = []
+    >>> def agreed():
+    ...     asked.append(True)
+    ...     return True
+    >>> due_after(7, steps_per_epoch=10, log_every=50, checkpoint_every=3,
+    ...           stop_agreed=agreed, agree_every_step=False), asked  # nothing due: not asked
+    (Due(log=False, evaluate=False, save=False, stop=False), [])
+    >>> due_after(7, steps_per_epoch=10, log_every=50, checkpoint_every=3, stop_agreed=agreed)
+    Due(log=False, evaluate=False, save=False, stop=True)
     """
     epoch_end = step % steps_per_epoch == 0
     save = epoch_end or (checkpoint_every > 0 and step % checkpoint_every == 0)
-    return Due(step % log_every == 0, epoch_end, save)
+    log = step % log_every == 0
+    stop = (agree_every_step or log or epoch_end or save) and stop_agreed()
+    return Due(log, epoch_end, save, stop)
 
 
 class Behind:
@@ -332,6 +355,32 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
     return state, Tally(extra["tally"])
 
 
+def _epoch_record(ctx, config, state, test, tally, epoch_start, watchdog) -> dict[str, Any]:
+    """The record of the epoch that ends at `state.step`: its train tally, the evaluation
+    of `test`, the time since `epoch_start`, and for text the metrics in tokens and bytes."""
+    ctx.pipe.check_finite(state)
+    record = {
+        "kind": "epoch",
+        "step": state.step,
+        "epoch": state.step // ctx.steps_per_epoch,
+        **tally.take_epoch(),
+        **evaluate(
+            ctx.pipe,
+            state,
+            test,
+            ctx.dataset.eval_transform,
+            config.eval_batch_size,
+            on_batch=watchdog.beat,
+        ),
+        "seconds": time.perf_counter() - epoch_start,
+    }
+    tokens = ctx.dataset.tokens_per_example
+    if tokens:
+        per_epoch = config.batch_size * tokens * ctx.steps_per_epoch
+        record.update(text_metrics(record, per_epoch, ctx.dataset.fingerprint))
+    return record
+
+
 def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, Any]:
     """Trains one run to `config.num_epochs`, resuming its newest checkpoint; returns its
     last epoch record.
@@ -416,9 +465,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
             label=label,
             unit="token" if tokens else "sample",
         )
-        # On several processes a stop is agreed at the next log, epoch or save step, so
-        # that all of them save the same step (`log_every_steps` bounds the wait).
-        vote, one_process = StopVote(ctx.run.label), jax.process_count() == 1
+        vote = StopVote(ctx.run.label)  # (`log_every_steps` bounds the wait for a stop)
         last_loss, epoch_start = None, time.perf_counter()
         behind = Behind(tally, writer)
         with progress:
@@ -435,39 +482,22 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     steps_per_epoch=steps_per_epoch,
                     log_every=config.log_every_steps,
                     checkpoint_every=config.checkpoint_every_steps,
+                    stop_agreed=lambda: vote.any(ctx.stop.requested is not None),
+                    agree_every_step=jax.process_count() == 1,
                 )
-                stopping = (any(due) or one_process) and vote.any(ctx.stop.requested is not None)
                 behind.hold(step_metrics, log_at=step if due.log or due.evaluate else None)
-                if not (due.evaluate or due.save or stopping):
+                if not (due.evaluate or due.save or due.stop):
                     continue
                 behind.read()  # evaluating and saving wait for this step anyway
                 if due.evaluate:
-                    pipe.check_finite(state)
-                    record = {
-                        "kind": "epoch",
-                        "step": step,
-                        "epoch": step // steps_per_epoch,
-                        **tally.take_epoch(),
-                        **evaluate(
-                            pipe,
-                            state,
-                            test,
-                            ctx.dataset.eval_transform,
-                            config.eval_batch_size,
-                            on_batch=watchdog.beat,
-                        ),
-                        "seconds": time.perf_counter() - epoch_start,
-                    }
-                    if tokens:
-                        per_epoch = config.batch_size * tokens * steps_per_epoch
-                        record.update(text_metrics(record, per_epoch, ctx.dataset.fingerprint))
+                    record = _epoch_record(ctx, config, state, test, tally, epoch_start, watchdog)
                     if writer is not None:
                         writer.write(record)
                     progress.write(epoch_line(record), ctx.log)
                     epoch_start = time.perf_counter()
-                if due.save or stopping:
+                if due.save or due.stop:
                     save()
-                if stopping:
+                if due.stop:
                     if writer is not None:
                         writer.close()
                     raise Stopped(
