@@ -261,7 +261,7 @@ def compare(
     (every core), and the same pipeline as `num_stages` processes pinned to a core each,
     timed round by round; returns the samples/s of every window by case, and
     `moves ms/step` (the cross-process moves of one step, alone). It starts four
-    processes, so its example is a test (tests/test_balance_and_benchmark.py).
+    processes, so its example is a test (tests/test_benchmark.py).
     """
     out = out or sys.stdout
     method, k = spec["method"], num_stages

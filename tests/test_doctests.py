@@ -22,7 +22,7 @@ WITHOUT_EXAMPLES = {
 # Public names that need no example of their own: a module name stands for every
 # name defined in it. Keep this short; each entry says why.
 ALLOWED_WITHOUT_EXAMPLE: set[str] = {
-    # starts four processes: tests/test_balance_and_benchmark.py runs it
+    # starts four processes: tests/test_benchmark.py runs it
     "dgrad.benchmark_across.compare",
     # each needs a started worker process: the class's example calls them
     "dgrad.benchmark_across.Group.window",
