@@ -381,6 +381,22 @@ def _epoch_record(ctx, config, state, test, tally, epoch_start, watchdog) -> dic
     return record
 
 
+def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> None:
+    """Checkpoints `state` with what a resume needs beside it: the config, the epoch's
+    tally so far and where the data stream stands."""
+    epoch, position = divmod(state.step, ctx.steps_per_epoch)
+    with watchdog.saving():
+        checkpoints.save(
+            state,
+            {
+                "config": fields.to_json(config),
+                "tally": tally.saved(),
+                "data": {"next_step": state.step, "epoch": epoch, "batch_in_epoch": position},
+                "total_steps": total,
+            },
+        )
+
+
 def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, Any]:
     """Trains one run to `config.num_epochs`, resuming its newest checkpoint; returns its
     last epoch record.
@@ -427,23 +443,6 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
     )
     with checkpoints, Watchdog(config.stall_timeout) as watchdog:
         state, tally = _resume(ctx, config, checkpoints, total)
-
-        def save():
-            epoch, position = divmod(state.step, steps_per_epoch)
-            with watchdog.saving():
-                checkpoints.save(
-                    state,
-                    {
-                        "config": fields.to_json(config),
-                        "tally": tally.saved(),
-                        "data": {
-                            "next_step": state.step,
-                            "epoch": epoch,
-                            "batch_in_epoch": position,
-                        },
-                        "total_steps": total,
-                    },
-                )
 
         label = f"{ctx.run.label} "
         if jax.process_count() > 1:
@@ -496,7 +495,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     progress.write(epoch_line(record), ctx.log)
                     epoch_start = time.perf_counter()
                 if due.save or due.stop:
-                    save()
+                    _save(checkpoints, state, config, tally, total, ctx, watchdog)
                 if due.stop:
                     if writer is not None:
                         writer.close()
