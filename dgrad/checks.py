@@ -1,6 +1,6 @@
 """The checks of numeric arguments, in one place: the optax transforms' hyperparameters
-and the pipeline's options. Imports only JAX, so that a config's check loads no model
-library.
+and the pipeline's options. Imports nothing beyond the standard library, so that a
+config's check loads neither JAX nor a model library.
 
 A value `optax.inject_hyperparams` feeds (a JAX array) passes as it is: it is
 known only when the update runs.
@@ -13,8 +13,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 
-import jax
+
+def _is_array(value) -> bool:
+    """Whether `value` is a JAX array (none can exist before JAX is imported)."""
+    jax = sys.modules.get("jax")
+    return jax is not None and isinstance(value, jax.Array)
 
 
 def unit_interval(name: str, value) -> float:
@@ -25,7 +30,7 @@ def unit_interval(name: str, value) -> float:
     ...
     ValueError: decay must be a number in [0, 1), got 1.5.
     """
-    if isinstance(value, jax.Array):  # a hyperparameter optax.inject_hyperparams feeds
+    if _is_array(value):  # a hyperparameter optax.inject_hyperparams feeds
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a number in [0, 1), got {value!r}.")
@@ -40,7 +45,7 @@ def non_negative(name: str, value) -> float:
     ...
     ValueError: weight_decay must be a non-negative number, got inf.
     """
-    if isinstance(value, jax.Array):  # a hyperparameter optax.inject_hyperparams feeds
+    if _is_array(value):  # a hyperparameter optax.inject_hyperparams feeds
         return value
     if (
         isinstance(value, bool)

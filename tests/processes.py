@@ -89,3 +89,25 @@ def run_command(args, timeout: float, cwd=None, env=None, check: bool = True):
     if check:
         assert process.returncode == 0, f"{args} exited {process.returncode}:\n{output[-4000:]}"
     return process.returncode, output
+
+
+def rerun_with_cpu_devices(request, count: int, root) -> bool:
+    """Reruns the test of `request` in a process of its own with `count` fake CPU devices
+    (on any host: JAX_PLATFORMS=cpu), unless this process has them; True if it reran.
+    In the rerun itself too few devices fail the test instead of rerunning it again."""
+    import sys
+
+    import jax
+    import pytest
+
+    if len(jax.devices()) >= count:
+        return False
+    if os.environ.get("DGRAD_TEST_DEVICES") == str(count):
+        pytest.fail(f"asked for {count} fake CPU devices, got {len(jax.devices())}")
+    run_command(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
+        timeout=900,
+        cwd=root,
+        env={"DGRAD_TEST_DEVICES": str(count), "JAX_PLATFORMS": "cpu"},
+    )
+    return True

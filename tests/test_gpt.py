@@ -2,8 +2,6 @@
 method and memory policy to the reference's numbers on one device, on one device per stage
 and with every stage replicated."""
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +18,7 @@ from helpers import (
     reference,
     run_pipeline,
 )
-from processes import run_command
+from processes import rerun_with_cpu_devices
 
 from dgrad import models
 
@@ -77,13 +75,7 @@ def test_gpt_stages_match_the_reference(num_stages, method, options):
 def test_gpt_with_every_stage_replicated_at_three_and_four_stages(request):
     """K x D beyond the 4 test devices: K = 3 and 4 with 2 replicas per stage, on 8 fake
     devices (the test reruns itself in a process of its own that has them)."""
-    if len(jax.devices()) < 8:
-        run_command(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-            timeout=900,
-            cwd=ROOT,
-            env={"DGRAD_TEST_DEVICES": "8"},
-        )
+    if rerun_with_cpu_devices(request, 8, ROOT):
         return
     for num_stages in (3, 4):
         for method, options in [("fdg", {}), ("ddg", {}), ("gpipe", dict(microbatches=2))]:

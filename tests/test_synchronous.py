@@ -2,8 +2,6 @@
 PipeDream-2BW) against the plain reference, fused backprop and the optax delay
 transform, on one device, on one device per stage and with every stage replicated."""
 
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -22,7 +20,7 @@ from helpers import (
     reference,
     run_pipeline,
 )
-from processes import run_command
+from processes import rerun_with_cpu_devices
 
 import dgrad
 from dgrad import optim
@@ -117,13 +115,7 @@ def test_gpipe_and_1f1b_equal_fused_backprop_without_batchnorm(num_stages, micro
 def test_every_stage_replicated_at_three_and_four_stages(request, method):
     """K x D beyond the 4 test devices: K = 3 and 4 with 2 replicas per stage, on 8 fake
     devices (the test reruns itself in a process of its own that has them), with a control."""
-    if len(jax.devices()) < 8:
-        run_command(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid],
-            timeout=900,
-            cwd=ROOT,
-            env={"DGRAD_TEST_DEVICES": "8"},
-        )
+    if rerun_with_cpu_devices(request, 8, ROOT):
         return
     microbatches = 1 if method == "pipedream" else 2
     for num_stages in (3, 4):

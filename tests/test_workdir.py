@@ -1,6 +1,7 @@
 """The workdir's rules (dgrad.train.workdir): one command at a time, a workdir of another
 experiment refused before anything is written, starting, stopping and extending."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ from helpers import ROOT
 from training import quiet, small_config, stop_at_call
 
 from dgrad.train import SetupError, Stopped, StopRequests, build, metrics, train, workdir
+from dgrad.train import config as fields
 from dgrad.train.cli import load_config
 
 
@@ -111,6 +113,34 @@ def test_a_workdir_trained_on_another_corpus_is_refused(tmp_path):
         train(config, tmp_path, log=quiet)
     assert (tmp_path / "config.json").read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+    # A workdir from before config.json kept it: the fingerprint its epoch records hold.
+    older = tmp_path / "older"
+    workdir.create(workdir.inspect(older, config), config)
+    (older / "fdg_k2").mkdir()
+    with metrics.MetricWriter(older / "fdg_k2" / "metrics.jsonl") as writer:
+        corpus = {f"corpus_{k}": v for k, v in elsewhere.items()}
+        writer.write({"kind": "epoch", "step": 8, "epoch": 1, **corpus})
+    with pytest.raises(SetupError, match=r"another corpus \(python 3.0.1 -> 3"):
+        train(config, older, log=quiet)
+
+
+def test_a_baseline_saved_as_one_stage_while_clipping_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Before clipping was per stage in the fused baseline too, its run was one stage."""
+    config = small_config(num_epochs=1, baseline="bp")
+    config.optimizer.clip_norm = 1.0
+    cut = fields.runs_of
+
+    def as_before(config):
+        return [
+            run if not run.fused else dataclasses.replace(run, num_stages=1) for run in cut(config)
+        ]
+
+    monkeypatch.setattr(fields, "runs_of", as_before)
+    train(config, tmp_path, log=quiet)
+    monkeypatch.setattr(fields, "runs_of", cut)
+    config.num_epochs = 2
+    with pytest.raises(SetupError, match="saved as one stage.*in a new --workdir"):
+        train(config, tmp_path, log=quiet, extend=True)
 
 
 def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):

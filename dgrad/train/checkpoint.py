@@ -320,14 +320,14 @@ def _mismatch(path, holds_or_lacks: str) -> ValueError:
     return ValueError(
         f"The checkpoint {holds_or_lacks} {'/'.join(path)} "
         f"{'beyond' if holds_or_lacks == 'holds' else 'of'} this pipeline's state: it was "
-        "saved with another method, optimizer, predict, weights or memory setting. Resume "
-        "with the options it was written with."
+        "saved with other pipeline options (method, optimizer, predict, weights, memory, "
+        "accumulate, microbatches or probe_every). Resume with the options it was written with."
     )
 
 
 def _weight_of_variable(path) -> tuple[str, ...] | None:
-    """The weight's path if `path` is where an `nnx.Variable` held it
-    (`stages/<k>/<params or rest>/.../<weight>/value`), else None.
+    """The array's path if `path` is where an `nnx.Variable` held it (`stages/<k>/.../value`,
+    in the weights, the statistics or the optimizer state), else None.
 
     >>> _weight_of_variable(("stages", "0", "params", "layers", "kernel", "value"))
     ('stages', '0', 'params', 'layers', 'kernel')

@@ -341,7 +341,18 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
             f"differs in: {', '.join(changed)}); resume with the configuration it was "
             "written with, or use a new --workdir."
         )
-    state, extra = checkpoints.restore(ctx.pipe)
+    saved_stages = checkpoints.meta()["num_stages"]
+    if ctx.run.fused and saved_stages == 1 < ctx.pipe.num_stages:
+        raise WorkdirError(
+            f"The fused-BP baseline in {ctx.run_dir} was saved as one stage, by a dgrad that "
+            "clipped its whole gradient at once; a baseline that clips now takes the run's cut "
+            f"of {ctx.pipe.num_stages} stages (clipping is per stage), so it cannot resume "
+            "this one: train the experiment in a new --workdir."
+        )
+    try:
+        state, extra = checkpoints.restore(ctx.pipe)
+    except ValueError as error:  # of another model, cut or options than the config makes
+        raise WorkdirError(f"{ctx.run_dir}: {error}") from None
     if ctx.writes:
         metrics.truncate(os.path.join(ctx.run_dir, "metrics.jsonl"), after_step=state.step)
     if state.step >= total:

@@ -116,7 +116,7 @@ def inspect(
         )
     with open(config_path) as f:
         saved = json.load(f)
-    corpus = saved.pop(CORPUS_KEY, None)
+    corpus = saved.pop(CORPUS_KEY, None) or _recorded_corpus(path)
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
     if extend and new["num_epochs"] < old["num_epochs"]:
         raise WorkdirError(
@@ -140,6 +140,17 @@ def inspect(
             f"resume it with its own config ({config_path}), or use a new --workdir."
         )
     return Plan(path, True, saved, extends_from, corpus)
+
+
+def _recorded_corpus(path: str) -> dict[str, Any] | None:
+    """The corpus fingerprint in the epoch records of the runs in the workdir `path`, for
+    a workdir started before `config.json` kept it (None if no run has recorded one)."""
+    for name in sorted(os.listdir(path)):
+        for record in metrics.read(os.path.join(path, name, "metrics.jsonl"), "epoch"):
+            corpus = {k[len("corpus_") :]: v for k, v in record.items() if k.startswith("corpus_")}
+            if corpus:
+                return corpus
+    return None
 
 
 def check_corpus(plan: Plan, fingerprint: dict[str, Any] | None) -> None:
