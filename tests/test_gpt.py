@@ -51,7 +51,7 @@ def test_the_embedding_is_on_stage_0_and_the_head_on_the_last():
 @pytest.mark.parametrize(
     "num_stages,method,options",
     [
-        (2, "fdg", dict(beta=0.5)),
+        pytest.param(2, "fdg", dict(beta=0.5), marks=SLOW),  # fast: the comparison's control
         pytest.param(2, "ddg", {}, marks=SLOW),
         pytest.param(2, "gpipe", dict(microbatches=2), marks=SLOW),
         pytest.param(1, "bp", {}, marks=SLOW),

@@ -301,7 +301,7 @@ def test_remember_update_passes_extra_arguments_on():
         ("ddg", "adamw"),
         pytest.param("fdg", "adamw", marks=pytest.mark.slow),
         pytest.param("ddg", "muon", marks=pytest.mark.slow),
-        ("fdg", "muon"),
+        pytest.param("fdg", "muon", marks=pytest.mark.slow),
     ],
 )
 def test_extrapolation_in_the_engine_matches_the_reference(method, name):

@@ -40,11 +40,7 @@ def fast_if(condition):
 
 @pytest.mark.parametrize(
     "num_stages,microbatches",
-    [
-        pytest.param(K, M, marks=fast_if((K, M) in ((2, 2), (3, 4))))
-        for K in (1, 2, 3, 4)
-        for M in (1, 2, 4)
-    ],
+    [pytest.param(K, M, marks=fast_if((K, M) == (2, 2))) for K in (1, 2, 3, 4) for M in (1, 2, 4)],
 )
 @pytest.mark.parametrize("method", ["gpipe", "1f1b", "2bw"])
 def test_mlp_matches_reference(method, num_stages, microbatches):

@@ -26,7 +26,7 @@ from dgrad.train.cli import load_config
         pytest.param("gpipe", 4, "sgd", marks=pytest.mark.slow),
         pytest.param("1f1b", 2, "sgd", marks=pytest.mark.slow),
         pytest.param("pipedream", None, "sgd", marks=pytest.mark.slow),
-        ("2bw", 2, "sgd"),
+        pytest.param("2bw", 2, "sgd", marks=pytest.mark.slow),
         pytest.param("fdg", None, "adamw", marks=pytest.mark.slow),
         pytest.param("ddg", None, "muon", marks=pytest.mark.slow),
         pytest.param("fdg", None, "async_nesterov", marks=pytest.mark.slow),
@@ -50,7 +50,7 @@ def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(
 @pytest.mark.parametrize(
     "method, optimizer",
     [
-        ("fdg", "adamw"),
+        pytest.param("fdg", "adamw", marks=pytest.mark.slow),
         pytest.param("ddg", "muon", marks=pytest.mark.slow),
         pytest.param("2bw", "async_nesterov", marks=pytest.mark.slow),
         pytest.param("fdg", "sgd", marks=pytest.mark.slow),
