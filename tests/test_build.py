@@ -40,13 +40,13 @@ def test_each_stage_clips_its_gradient_by_its_own_norm(fused):
     config.optimizer.weight_decay, config.optimizer.nesterov = 0.0, False
     config.optimizer.schedule, config.optimizer.clip_norm = "constant", 1e9  # never reached
     gradients = [jax.tree.map(jnp.negative, u) for u in first_updates(config, fused)]
-    norms = [float(optax.global_norm(g)) for g in gradients]
+    norms = [float(optax.tree.norm(g)) for g in gradients]
     assert min(norms) > 0.05  # every stage is clipped
     config.optimizer.clip_norm = 0.05
     updates = first_updates(config, fused)
     assert len(updates) == len(gradients) == 3
     for update, gradient, norm in zip(updates, gradients, norms):
-        assert float(optax.global_norm(update)) == pytest.approx(0.05, rel=1e-5)
+        assert float(optax.tree.norm(update)) == pytest.approx(0.05, rel=1e-5)
         expected = jax.tree.map(lambda g, scale=-0.05 / norm: scale * g, gradient)
         jax.tree.map(
             lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), update, expected
