@@ -333,16 +333,15 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
         if ctx.writes and os.path.exists(path):  # killed before its first checkpoint
             metrics.truncate(path, after_step=0)
         return ctx.initial, Tally()
-    extra = checkpoints.extra()
-    changed = fields.differences(extra["config"], config, extending=True)  # checked before
+    meta = checkpoints.meta()
+    changed = fields.differences(meta["extra"]["config"], config, extending=True)  # checked before
     if changed:
         raise WorkdirError(
             f"The checkpoint in {ctx.run_dir} was written with another configuration (it "
             f"differs in: {', '.join(changed)}); resume with the configuration it was "
             "written with, or use a new --workdir."
         )
-    saved_stages = checkpoints.meta()["num_stages"]
-    if ctx.run.fused and saved_stages == 1 < ctx.pipe.num_stages:
+    if ctx.run.fused and meta["num_stages"] == 1 < ctx.pipe.num_stages:
         raise WorkdirError(
             f"The fused-BP baseline in {ctx.run_dir} was saved as one stage, by a dgrad that "
             "clipped its whole gradient at once; a baseline that clips now takes the run's cut "

@@ -63,7 +63,7 @@ class Plan:
       existed: whether the directory was there before this command.
       saved: the config the workdir holds (its JSON), if any.
       extends_from: with `extend`, the number of epochs the workdir was trained for.
-      corpus: the fingerprint of the text corpus the workdir was trained on, if any.
+      corpus: the fingerprint of the text corpus its `config.json` holds, if any.
 
     >>> import os, tempfile
     >>> from dgrad.train import config as fields
@@ -116,7 +116,7 @@ def inspect(
         )
     with open(config_path) as f:
         saved = json.load(f)
-    corpus = saved.pop(CORPUS_KEY, None) or _recorded_corpus(path)
+    corpus = saved.pop(CORPUS_KEY, None)
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
     if extend and new["num_epochs"] < old["num_epochs"]:
         raise WorkdirError(
@@ -164,13 +164,16 @@ def check_corpus(plan: Plan, fingerprint: dict[str, Any] | None) -> None:
     ...
     dgrad.train.workdir.WorkdirError: ... another corpus (python 3.11.9 -> 3.12.4, sha256 ...
     """
-    if plan.corpus is None or plan.corpus == fingerprint:
+    trained_on = plan.corpus
+    if trained_on is None and fingerprint is not None and plan.resumes:
+        trained_on = _recorded_corpus(plan.path)  # a workdir older than config.json's entry
+    if trained_on is None or trained_on == fingerprint:
         return
     fingerprint = fingerprint or {}
     changed = ", ".join(
-        f"{name} {plan.corpus.get(name)} -> {fingerprint.get(name)}"
-        for name in sorted(plan.corpus.keys() | fingerprint.keys())
-        if plan.corpus.get(name) != fingerprint.get(name)
+        f"{name} {trained_on.get(name)} -> {fingerprint.get(name)}"
+        for name in sorted(trained_on.keys() | fingerprint.keys())
+        if trained_on.get(name) != fingerprint.get(name)
     )
     raise WorkdirError(
         f"{plan.path} was trained on another corpus ({changed}); resume it with the "
