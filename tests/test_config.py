@@ -1,4 +1,4 @@
-"""Config fields, files and the shipped configs (dgrad.train.config, config_files, recipes):
+"""Config fields, files and the shipped configs (dgrad.train.config):
 mistakes name the field or the line, the papers' and the language models' settings."""
 
 import os
@@ -10,9 +10,10 @@ from helpers import ROOT
 from training import PAPER_CONFIGS, quiet, small_config
 
 from dgrad import data
-from dgrad.train import SetupError, build, recipes, train
+from dgrad.train import SetupError, build, train
 from dgrad.train import config as fields
 from dgrad.train.cli import load_config
+from dgrad.train.config import recipes
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ MODULES = [name for name in ALL_MODULES if name != "dgrad"]
 WITHOUT_EXAMPLES = {
     "dgrad.models",  # only imports: the examples are in its modules
     "dgrad.train",  # only re-exports: `train`'s examples are in dgrad.train.experiment
+    "dgrad.train.config",  # only re-exports: the examples are in its modules
 }
 
 # Public names that need no example of their own: a module name stands for every
@@ -30,7 +31,7 @@ ALLOWED_WITHOUT_EXAMPLE: set[str] = {
     "dgrad.benchmark_across.Group.close",
     # records with nothing to compute; the example of the function named makes them
     "dgrad.data.text.Corpus",  # stdlib_corpus
-    "dgrad.train.config.Run",  # runs_of
+    "dgrad.train.config.runs.Run",  # runs_of
     "dgrad.train.loop.RunContext",  # train_run
     "dgrad.train.sweep.Quantity",  # quantity_of
 }

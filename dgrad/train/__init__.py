@@ -1,9 +1,8 @@
 """Training experiments from `ml_collections` configs (`train`, in `experiment`).
 
 The modules: `experiment` (what `python -m experiments.train` runs: one
-experiment's runs, start to end), `config` (the fields and their checks),
-`config_files` (reading config files), `recipes` (the papers' recipes and the
-smoke variant), `build` (config to pipeline), `loop` (one run's steps),
+experiment's runs, start to end), `config` (the fields and their rules, overrides,
+config files, the papers' recipes), `build` (config to pipeline), `loop` (one run's steps),
 `evaluate`, `workdir`, `checkpoint`, `export`, `metrics`, `progress`,
 `signals`, `watchdog`, `sweep` and `cli` (the command line).
 """

@@ -3,7 +3,7 @@
 
 >>> from dgrad.train import config as fields
 >>> config = fields.base()
->>> from dgrad.train.recipes import resolved_optimizer
+>>> from dgrad.train.config.recipes import resolved_optimizer
 >>> resolved_optimizer(config, "ddg")["nesterov"], resolved_optimizer(config, "fdg")["boundaries"]
 (True, (150, 225, 275))
 """
@@ -20,7 +20,7 @@ import optax
 from dgrad import data, models, optim
 from dgrad.pipeline import Pipeline
 from dgrad.train.config import Run
-from dgrad.train.recipes import resolved_optimizer
+from dgrad.train.config.recipes import resolved_optimizer
 
 
 def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:

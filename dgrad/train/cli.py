@@ -29,7 +29,7 @@ import time
 from typing import Sequence
 
 from dgrad.train import config as fields
-from dgrad.train import config_files
+from dgrad.train.config import files as config_files
 from dgrad.train.signals import Stopped, StopRequests
 
 
@@ -141,7 +141,7 @@ def help_text() -> str:
 
 
 def load_config(spec: str):
-    """`dgrad.train.config_files.load`, with its mistakes as `UsageError`s.
+    """`dgrad.train.config.files.load`, with its mistakes as `UsageError`s.
 
     >>> config, name = load_config("experiments/configs/default.py:smoke")
     >>> name, config.method

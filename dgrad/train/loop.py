@@ -414,7 +414,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
     >>> import io, tempfile
     >>> import numpy as np
     >>> from dgrad.train import build
-    >>> from dgrad.train import config_files
+    >>> from dgrad.train.config import files as config_files
     >>> config, _ = config_files.load("experiments/configs/default.py:smoke")
     >>> config.model.name, config.baseline, config.num_epochs = "mlp", "", 1
     >>> config.steps_per_epoch = 4

@@ -37,7 +37,8 @@ import numpy as np
 
 from dgrad.distributed import child_options
 from dgrad.train import config as fields
-from dgrad.train import config_files, metrics
+from dgrad.train import metrics
+from dgrad.train.config import files as config_files
 
 SWEEP_FILE = "sweep.json"
 

@@ -11,7 +11,7 @@ without CIFAR).
         --config experiments/configs/cifar100_resnet110.py --config.method=ddg
 """
 
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

@@ -14,7 +14,7 @@ without CIFAR).
         --config experiments/configs/cifar10_resnet110.py --config.method=ddg
 """
 
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

@@ -5,7 +5,7 @@ python -m experiments.train --config experiments/configs/default.py:smoke
 """
 
 from dgrad.train import config as fields
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

@@ -6,7 +6,7 @@ the quick partner of mnist1d.py in the offline sweeps.
 """
 
 from dgrad.train import config as fields
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

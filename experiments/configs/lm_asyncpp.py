@@ -17,7 +17,7 @@ CPU-sized run of the same pipeline and data.
 """
 
 from dgrad.train import config as fields
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

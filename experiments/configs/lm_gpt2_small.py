@@ -15,7 +15,7 @@ CIFAR: the error says how; `--config.dataset=NAME:FEATURE` takes any other tfds 
 """
 
 from dgrad.train import config as fields
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

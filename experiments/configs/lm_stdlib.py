@@ -7,7 +7,7 @@ python -m experiments.train --config experiments/configs/lm_stdlib.py:smoke
 """
 
 from dgrad.train import config as fields
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

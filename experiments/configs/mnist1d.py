@@ -10,7 +10,7 @@ training on this project's 2-core CPU).
 """
 
 from dgrad.train import config as fields
-from dgrad.train import recipes
+from dgrad.train.config import recipes
 
 
 def get_config(variant: str = ""):

@@ -1,18 +1,15 @@
-"""The fields of an experiment config: defaults, meanings and checks, in one place.
+"""The fields of an experiment config: defaults, meanings and their rules, in one place.
 
-`FIELDS` lists every field once, with its default and what it means (the
-pipeline's own options take their meaning from `dgrad.options.Options`).
-`base()` builds the `ml_collections.ConfigDict` that the files in
-`experiments/configs/` start from, `check` refuses values that cannot work
+`FIELDS` lists every field once, with its default, what it means and the rule its
+value keeps (the pipeline's own options take their meaning from
+`dgrad.options.Options`). `base()` builds the `ml_collections.ConfigDict` that the
+files in `experiments/configs/` start from, `check` refuses values that cannot work
 with one line naming the field and the fix, and `describe` is what
 `python -m experiments.train --help` prints.
 
 >>> config = base()
 >>> config.method, config.model.depth
 ('fdg', 56)
->>> config.baseline = "bp"
->>> [run.title for run in runs_of(config)]
-['FDG K=2', 'BP (fused)']
 >>> config.num_stages = 0
 >>> check(config)
 Traceback (most recent call last):
@@ -32,7 +29,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from dgrad.data import DATASETS, is_text
-from dgrad.options import PLACEMENTS, Options, method_title
+from dgrad.options import PLACEMENTS, Options
 
 MODELS = ("cifar_resnet", "wide_resnet", "mlp", "cnn1d", "gpt")
 OPTIMIZERS = ("sgd", "adamw", "muon", "async_nesterov")
@@ -312,47 +309,6 @@ FIELD_NAMES = tuple(f.name for f in FIELDS)
 RESUMABLE_FIELDS = tuple(f.name for f in FIELDS if f.resumable)
 
 
-BASELINE_LABEL = "bp_fused"  # the directory of the fused-BP baseline run
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One training run of an experiment (`runs_of` makes them from a config)."""
-
-    label: str  # directory name under the workdir
-    title: str  # for people
-    method: str
-    num_stages: int
-    fused: bool
-
-
-def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
-    """The config's method, then its baseline (fused BP on one device group) if it asks for one.
-
-    The baseline is one stage, or the run's own cut when the optimizer clips: clipping is
-    per stage, so only the same cut clips BP's gradient as the run clips its own.
-
-    >>> config = base()
-    >>> runs_of(config)
-    [Run(label='fdg_k2', title='FDG K=2', method='fdg', num_stages=2, fused=False)]
-    >>> config.baseline = "bp"
-    >>> [(run.label, run.num_stages) for run in runs_of(config)]
-    [('fdg_k2', 2), ('bp_fused', 1)]
-    >>> config.optimizer.clip_norm = 1.0
-    >>> runs_of(config)[-1]
-    Run(label='bp_fused', title='BP (fused)', method='bp', num_stages=2, fused=True)
-    """
-    k, m = config.num_stages, config.microbatches
-    label, title = f"{config.method}_k{k}", f"{method_title(config.method)} K={k}"
-    if m not in (None, 1):
-        label, title = f"{label}_m{m}", f"{title} M={m}"
-    runs = [Run(label, title, config.method, k, False)]
-    if config.baseline == "bp":
-        cut = k if config.optimizer.clip_norm > 0 else 1
-        runs.append(Run(BASELINE_LABEL, "BP (fused)", "bp", cut, True))
-    return runs
-
-
 def base() -> ml_collections.ConfigDict:
     """A config holding every field at its default; new fields cannot be added (typos fail).
 
@@ -414,84 +370,6 @@ def unknown_field(name: str, prefix: str = "") -> str:
     near = nearest_field(name)
     hint = f"did you mean {prefix}{near}?" if near else "--help lists them"
     return f"{prefix}{name} is not a config field; {hint}"
-
-
-def parse_value(name: str, text: str) -> Any:
-    """Field `name`'s value written as `text` on a command line (ValueError saying what
-    the field takes, or the nearest field's name).
-
-    >>> parse_value("num_stages", "4"), parse_value("beta", "0.5")
-    (4, 0.5)
-    >>> parse_value("model.hidden", "64,64")
-    (64, 64)
-    >>> parse_value("optimizer.nesterov", "yes"), parse_value("optimizer.nesterov", "none")
-    (True, None)
-    >>> parse_value("num_stage", "4")
-    Traceback (most recent call last):
-    ...
-    ValueError: num_stage is not a config field; did you mean num_stages?
-    """
-    by_name = {f.name: f for f in FIELDS}
-    if name not in by_name:
-        raise ValueError(unknown_field(name))
-    field = by_name[name]
-    expected = field.type
-    try:
-        if field.default is None and text.lower() in ("none", ""):
-            return None
-        if expected is bool:
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ValueError(text)
-            return text.lower() in ("true", "1", "yes")
-        if expected is tuple:
-            items = [t.strip() for t in text.strip("()[]").split(",") if t.strip()]
-            return tuple(int(t) if t.lstrip("-").isdigit() else float(t) for t in items)
-        return expected(text)
-    except ValueError:
-        raise ValueError(
-            f"{name}={text}: expected {expected.__name__}"
-            + (" values separated by commas" if expected is tuple else "")
-        ) from None
-
-
-def set_field(config: ml_collections.ConfigDict, name: str, value) -> None:
-    """Sets the field of dotted `name` (`optimizer.learning_rate`) to `value`.
-
-    >>> config = base()
-    >>> set_field(config, "optimizer.learning_rate", 0.05)
-    >>> config.optimizer.learning_rate
-    0.05
-    """
-    *parents, leaf = name.split(".")
-    node = config
-    for parent in parents:
-        node = node[parent]
-    node[leaf] = value
-
-
-def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
-    """Sets `--config.<field>=<value>` overrides on `config` (what the command line and
-    a sweep's `--config.` flags both do; ValueError names the flag and the fix).
-
-    >>> config = base()
-    >>> apply_overrides(config, ["--config.num_stages=4", "--config.model.name=mlp"])
-    >>> config.num_stages, config.model.name
-    (4, 'mlp')
-    >>> apply_overrides(config, ["--config.num_stages"])
-    Traceback (most recent call last):
-    ...
-    ValueError: --config.num_stages: give a value, as in --config.num_stages=VALUE
-    """
-    for override in overrides:
-        name, equals, text = override.removeprefix("--config.").partition("=")
-        if not equals:
-            raise ValueError(f"{override}: give a value, as in --config.{name}=VALUE")
-        if name not in FIELD_NAMES:
-            raise ValueError(unknown_field(name, "--config."))
-        try:
-            set_field(config, name, parse_value(name, text))
-        except ValueError as error:
-            raise ValueError(f"--config.{error}") from None
 
 
 def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
@@ -572,49 +450,3 @@ def check(config: ml_collections.ConfigDict) -> None:
     parts = values["microbatches"] or 1
     if values["batch_size"] % parts:
         _fail("batch_size", values["batch_size"], f"use a multiple of microbatches={parts}")
-
-
-def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The config as plain JSON values (tuples become lists).
-
-    >>> config = base()
-    >>> type(config.model.hidden), to_json(config)["model"]["hidden"]
-    (<class 'tuple'>, [128, 128])
-    """
-    import json
-
-    return json.loads(config.to_json())
-
-
-def differences(
-    saved: dict[str, Any], config: ml_collections.ConfigDict, *, extending: bool = False
-) -> list[str]:
-    """The fields (dotted names) where `config` changes the numbers of a run saved with
-    `saved`; when `extending`, more epochs than were saved is an extension, not a change.
-
-    >>> saved = to_json(base())
-    >>> config = base()
-    >>> config.num_stages, config.log_every_steps = 4, 10
-    >>> differences(saved, config)  # log_every_steps only changes how the run is watched
-    ['num_stages']
-    >>> config.num_epochs += 10
-    >>> differences(saved, config), differences(saved, config, extending=True)
-    (['num_epochs', 'num_stages'], ['num_stages'])
-
-    A field added after a run was saved reads as its default there:
-
-    >>> older = to_json(base())
-    >>> del older["context"], older["optimizer"]["name"]
-    >>> differences(older, base())
-    []
-    """
-    old = {**flatten(to_json(base())), **flatten(saved)}
-    new = flatten(to_json(config))
-    changed = sorted(
-        name
-        for name in old.keys() | new.keys()
-        if old.get(name) != new.get(name) and name not in RESUMABLE_FIELDS
-    )
-    if extending and new["num_epochs"] >= old["num_epochs"] and "num_epochs" in changed:
-        changed.remove("num_epochs")
-    return changed

@@ -12,7 +12,7 @@ from typing import Any
 
 import ml_collections
 
-from dgrad.train.config import base
+from dgrad.train.config.fields import base
 
 
 def paper(

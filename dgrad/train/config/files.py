@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from dgrad.train.config import unknown_field
+from dgrad.train.config.fields import unknown_field
 
 
 def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:

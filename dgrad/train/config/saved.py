@@ -1,0 +1,61 @@
+"""A config as saved in a workdir's `config.json`, and what a new config changes in it.
+
+>>> from dgrad.train.config import base
+>>> config = base()
+>>> config.beta = 0.5
+>>> differences(to_json(base()), config)
+['beta']
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import ml_collections
+
+from dgrad.train.config.fields import RESUMABLE_FIELDS, base, flatten
+
+
+def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The config as plain JSON values (tuples become lists).
+
+    >>> config = base()
+    >>> type(config.model.hidden), to_json(config)["model"]["hidden"]
+    (<class 'tuple'>, [128, 128])
+    """
+    return json.loads(config.to_json())
+
+
+def differences(
+    saved: dict[str, Any], config: ml_collections.ConfigDict, *, extending: bool = False
+) -> list[str]:
+    """The fields (dotted names) where `config` changes the numbers of a run saved with
+    `saved`; when `extending`, more epochs than were saved is an extension, not a change.
+
+    >>> saved = to_json(base())
+    >>> config = base()
+    >>> config.num_stages, config.log_every_steps = 4, 10
+    >>> differences(saved, config)  # log_every_steps only changes how the run is watched
+    ['num_stages']
+    >>> config.num_epochs += 10
+    >>> differences(saved, config), differences(saved, config, extending=True)
+    (['num_epochs', 'num_stages'], ['num_stages'])
+
+    A field added after a run was saved reads as its default there:
+
+    >>> older = to_json(base())
+    >>> del older["context"], older["optimizer"]["name"]
+    >>> differences(older, base())
+    []
+    """
+    old = {**flatten(to_json(base())), **flatten(saved)}
+    new = flatten(to_json(config))
+    changed = sorted(
+        name
+        for name in old.keys() | new.keys()
+        if old.get(name) != new.get(name) and name not in RESUMABLE_FIELDS
+    )
+    if extending and new["num_epochs"] >= old["num_epochs"] and "num_epochs" in changed:
+        changed.remove("num_epochs")
+    return changed
