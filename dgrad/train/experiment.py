@@ -70,11 +70,7 @@ def _extension_note(config, saved: dict[str, Any], steps_per_epoch: int) -> str:
     from dgrad.train import build
     from dgrad.train import config as fields
 
-    old = fields.base()
-    old.unlock()
-    old.update_from_flattened_dict(
-        {k: tuple(v) if isinstance(v, list) else v for k, v in fields.flatten(saved).items()}
-    )
+    old = fields.from_json(saved)
     end = old.num_epochs * steps_per_epoch
     notes = []
     for run in fields.runs_of(config):

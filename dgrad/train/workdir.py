@@ -118,28 +118,24 @@ def inspect(
         saved = json.load(f)
     corpus = saved.pop(CORPUS_KEY, None)
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
-    if extend and new["num_epochs"] < old["num_epochs"]:
+    changed = fields.differences(saved, config, extending=extend)
+    longer = fields.extension(saved, config)
+    if extend and "num_epochs" in changed:
         raise WorkdirError(
             f"--extend trains a finished experiment for more epochs: give "
             f"--config.num_epochs above the {old['num_epochs']} it was trained for."
         )
-    # (unchanged epochs under --extend: an extension that was stopped resumes)
-    extends_from = old["num_epochs"] if extend and new["num_epochs"] != old["num_epochs"] else None
-    changed = fields.differences(saved, config, extending=extend)
     if changed:
         differences = ", ".join(
             f"{name} {old.get(name)!r} -> {new.get(name)!r}" for name in changed
         )
-        hint = (
-            " (to train it longer, add --extend)"
-            if changed == ["num_epochs"] and new["num_epochs"] > old["num_epochs"]
-            else ""
-        )
+        hint = " (to train it longer, add --extend)" if changed == ["num_epochs"] and longer else ""
         raise WorkdirError(
             f"{path} holds another experiment (this config differs in: {differences}){hint}; "
             f"resume it with its own config ({config_path}), or use a new --workdir."
         )
-    return Plan(path, True, saved, extends_from, corpus)
+    # (under --extend, as many epochs as saved: an extension that was stopped resumes)
+    return Plan(path, True, saved, longer if extend else None, corpus)
 
 
 def _recorded_corpus(path: str) -> dict[str, Any] | None:

@@ -28,7 +28,7 @@ from dgrad.train.config.fields import (
 )
 from dgrad.train.config.overrides import apply_overrides, parse_value, set_field
 from dgrad.train.config.runs import BASELINE_LABEL, Run, runs_of
-from dgrad.train.config.saved import differences, to_json
+from dgrad.train.config.saved import differences, extension, from_json, to_json
 
 __all__ = [
     "BASELINE_LABEL",
@@ -47,8 +47,10 @@ __all__ = [
     "check",
     "describe",
     "differences",
+    "extension",
     "files",
     "flatten",
+    "from_json",
     "nearest_field",
     "parse_value",
     "recipes",

@@ -27,6 +27,21 @@ def to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(config.to_json())
 
 
+def from_json(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+    """The config that `to_json` wrote as `saved` (a field added since reads as its default).
+
+    >>> config = base()
+    >>> config.model.hidden = (64, 32)
+    >>> from_json(to_json(config)).model.hidden == config.model.hidden
+    True
+    """
+    config = base()
+    config.update_from_flattened_dict(
+        {k: tuple(v) if isinstance(v, list) else v for k, v in flatten(saved).items()}
+    )
+    return config
+
+
 def differences(
     saved: dict[str, Any], config: ml_collections.ConfigDict, *, extending: bool = False
 ) -> list[str]:
@@ -49,13 +64,33 @@ def differences(
     >>> differences(older, base())
     []
     """
-    old = {**flatten(to_json(base())), **flatten(saved)}
-    new = flatten(to_json(config))
+    old, new = _with_defaults(saved), flatten(to_json(config))
     changed = sorted(
         name
         for name in old.keys() | new.keys()
         if old.get(name) != new.get(name) and name not in RESUMABLE_FIELDS
     )
-    if extending and new["num_epochs"] >= old["num_epochs"] and "num_epochs" in changed:
+    if extending and "num_epochs" in changed and extension(saved, config) is not None:
         changed.remove("num_epochs")
     return changed
+
+
+def extension(saved: dict[str, Any], config: ml_collections.ConfigDict) -> int | None:
+    """The epochs a run saved with `saved` was trained for, if `config` trains it for more
+    (what `--extend` continues from); None for as many epochs or fewer.
+
+    >>> saved = to_json(base())
+    >>> config = base()
+    >>> extension(saved, config), saved["num_epochs"]
+    (None, 300)
+    >>> config.num_epochs = 400
+    >>> extension(saved, config)
+    300
+    """
+    trained = _with_defaults(saved)["num_epochs"]
+    return trained if config.num_epochs > trained else None
+
+
+def _with_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` by dotted name, a field added after it was saved read as its default."""
+    return {**flatten(to_json(base())), **flatten(saved)}
