@@ -1,4 +1,4 @@
-"""One process of a multi-process test run, started by tests/test_scale_out.py.
+"""One process of a multi-process test run, started by tests/test_distributed.py.
 
 Trains the test CNN, K = 2 stages x D = 2 replicas, on 2 processes of 2 fake CPU
 devices: layout `a` (every process holds every stage, replicas span the processes)

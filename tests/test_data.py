@@ -1,9 +1,11 @@
 """Data: the fixed digits split, the seeded stream, augmentation, and tfds on mock data."""
 
+import jax
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+import dgrad
 from dgrad import data
 from dgrad.data import augment
 
@@ -144,3 +146,23 @@ def test_stream_can_place_batches_on_a_device_ahead_of_time():
         expected = stream.batch(step)
         np.testing.assert_array_equal(np.asarray(x), expected[0])
         np.testing.assert_array_equal(np.asarray(y), expected[1])
+
+
+def _cifar_like():
+    return data.augment.cifar_train((0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+
+
+def test_each_process_prepares_only_its_rows():
+    """The stream's batch, built from per-device rows, equals the whole batch; the
+    augmentation draws for the whole batch, so it does not depend on the split."""
+    dataset = data.load("synthetic", synthetic_shape=(8, 8, 3), synthetic_examples=64)
+    dataset = dataset.__class__(**{**dataset.__dict__, "train_transform": _cifar_like()})
+    whole = data.Stream(dataset.train, 16, transform=dataset.train_transform, seed=3)
+    placement = dgrad.Placement(2, jax.devices(), data_parallel=4, fused=True)
+    split = data.Stream(
+        dataset.train, 16, transform=dataset.train_transform, seed=3, sharding=placement.sharded(0)
+    )
+    for (x, y), (sx, sy) in zip(whole.iterate(0, 3), split.iterate(0, 3)):
+        assert len(sx.addressable_shards) == 4
+        np.testing.assert_array_equal(np.asarray(sx), x)
+        np.testing.assert_array_equal(np.asarray(sy), y)

@@ -437,7 +437,7 @@ def test_shrink_scales_by_beta_to_the_depth_under_jit(beta, depth):
 
 def test_shrink_first_in_a_chain_leaves_the_weight_decay_unscaled():
     """The pipeline chains shrink before the user's optimizer; the engine's order is
-    checked against the reference (FDG, beta 0.5, weight decay) in test_equivalence."""
+    checked against the reference (FDG, beta 0.5, weight decay) in test_pipeline."""
     tx = optax.chain(optim.shrink(0.5, 2), optax.add_decayed_weights(0.1), optax.sgd(1.0))
     params = {"w": jnp.array([2.0])}
     updates, _ = tx.update({"w": jnp.array([4.0])}, tx.init(params), params)

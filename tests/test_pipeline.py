@@ -1,17 +1,26 @@
-"""The pipelined engine against the plain reference, for every method and policy, on one
-device, on one device per stage, and with every stage replicated on several devices."""
+"""dgrad.Pipeline: the pipelined engine against the plain reference, for every method and
+policy, on one device, on one device per stage and with every stage replicated on several
+devices; and what it refuses (stages, optimizer, batches, the order of calls)."""
 
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
+from flax import nnx
 from helpers import (
     SMOOTH_OPTIMIZER,
     assert_matches_reference,
+    batches,
+    build_pipeline,
+    build_stages,
     layouts,
     num_steps,
     optimizer,
     reference,
     run_pipeline,
 )
+
+import dgrad
 
 # (method, weights, memory, beta); weights='current' always recomputes.
 COMBOS = [
@@ -104,3 +113,51 @@ def test_comparison_can_fail(model):
             other = reference(model, 2, method, weights, beta, tx)
             with pytest.raises(AssertionError):
                 assert_matches_reference(state, history, other)
+
+
+# What the pipeline itself refuses: stages, optimizer, batches, the order of calls.
+
+SGD = optax.sgd(0.1)
+
+
+def make(**kwargs):
+    return build_pipeline("mlp", 2, **{"optimizer": SGD, **kwargs})
+
+
+def test_the_optimizer_must_be_an_optax_transformation():
+    with pytest.raises(TypeError, match="optax.GradientTransformation"):
+        make(optimizer="sgd")
+
+
+def test_stages_must_be_a_list_of_nnx_modules():
+    with pytest.raises(TypeError, match="list of flax.nnx.Module stages"):
+        dgrad.Pipeline(build_stages("mlp", 1)[0], optimizer=SGD)
+    with pytest.raises(TypeError, match="must be a flax.nnx.Module"):
+        dgrad.Pipeline([lambda x: x], optimizer=SGD)
+
+
+def test_batch_must_match_the_one_init_saw():
+    pipe = make(method="fdg")
+    data = batches("mlp", 2)
+    state = pipe.init(data[0])
+    x, y = data[1]
+    with pytest.raises(
+        ValueError, match=r"float32\[5, 6\].*init saw.*float32\[8, 6\].*drop the last partial batch"
+    ):
+        pipe.step(state, (x[:5], y[:5]))
+    with pytest.raises(ValueError, match=r"float16\[8, 6\].*init saw"):
+        pipe.step(state, (x.astype(jnp.float16), y))
+    with pytest.raises(TypeError, match=r"pair \(inputs, labels\)"):
+        pipe.step(state, {"image": x, "label": y})
+
+
+def test_step_before_init():
+    with pytest.raises(RuntimeError, match="init"):
+        make().step(None, batches("mlp", 1)[0])
+
+
+def test_stages_that_do_not_fit_together():
+    stages = [nnx.Linear(6, 4, rngs=nnx.Rngs(0)), nnx.Linear(5, 3, rngs=nnx.Rngs(0))]
+    pipe = dgrad.Pipeline(stages, optimizer=SGD)
+    with pytest.raises(ValueError, match=r"Stage 1 of 2 cannot take input of shape \(8, 4\)"):
+        pipe.init(batches("mlp", 1)[0])
