@@ -1,9 +1,10 @@
 """Test setup: four fake CPU devices (DGRAD_TEST_DEVICES) and a persistent compilation cache.
 
 Both must be configured before JAX runs anything, hence at import time here.
-`pytest -m "not slow" -n 2` is the fast subset (every module, on two cores: about 1.5
-minutes with the cache below warm, 3 from an empty one); the CI runs everything, one test at
-a time.
+`pytest -m "not slow" -n 2` is the fast subset (every module, on two cores), and it asks
+XLA for its quickest compiles (no backend optimisation: the numbers may differ in the last
+bits, and a compile takes about three quarters of the time); the CI runs everything, one
+test at a time, compiled as users' runs are.
 """
 
 import os
@@ -23,3 +24,9 @@ jax.config.update(
 )
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_configure(config):
+    if config.option.markexpr == "not slow":  # before any test builds a device
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()

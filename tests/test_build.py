@@ -29,7 +29,7 @@ def first_updates(config, fused):
     ]
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_each_stage_clips_its_gradient_by_its_own_norm(fused):
     """With plain SGD at rate 1 an update is minus the clipped gradient: clipped at 0.05,
     every stage's update has norm 0.05 and the direction of its unclipped gradient; one

@@ -53,13 +53,13 @@ def restored(tmp_path, pipe, data):
     "model, num_stages, method, weights, memory",
     [
         ("mlp", 3, "fdg", "stash", "residuals"),
-        ("mlp", 3, "fdg", "current", "recompute"),
-        ("mlp", 3, "ddg", "stash", "recompute"),
+        pytest.param("mlp", 3, "fdg", "current", "recompute", marks=pytest.mark.slow),
+        pytest.param("mlp", 3, "ddg", "stash", "recompute", marks=pytest.mark.slow),
         ("mlp", 3, "ddg", "stash", "dots"),
         ("mlp", 2, "bp", "stash", "residuals"),
-        ("mlp", 3, "gpipe", "stash", "residuals"),
+        pytest.param("mlp", 3, "gpipe", "stash", "residuals", marks=pytest.mark.slow),
         ("mlp", 3, "1f1b", "stash", "recompute"),
-        ("mlp", 3, "pipedream", "stash", "residuals"),
+        pytest.param("mlp", 3, "pipedream", "stash", "residuals", marks=pytest.mark.slow),
         ("mlp", 3, "2bw", "stash", "residuals"),
         pytest.param("cnn", 2, "fdg", "stash", "residuals", marks=pytest.mark.slow),
         pytest.param("cnn", 2, "2bw", "stash", "recompute", marks=pytest.mark.slow),
@@ -111,6 +111,7 @@ def test_resume_with_another_number_of_replicas(tmp_path, model, saved_with, res
     assert_close(run(fresh, state, data[SAVE_AT:]), uninterrupted, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_resumes_a_checkpoint_written_when_weights_were_nnx_variables(tmp_path):
     """Until 60ad569 a state held `nnx.Variable`s, whose arrays a checkpoint keeps one
     level deeper (under `value`); such a run resumes where it stopped."""

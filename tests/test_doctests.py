@@ -41,7 +41,20 @@ def test_every_module_is_listed():
     assert "dgrad.pipeline" in MODULES and "dgrad.train.checkpoint" in MODULES
 
 
-@pytest.mark.parametrize("name", MODULES)
+# Modules whose examples train, start processes or build the GPT: the full suite runs
+# them, the fast subset (-m "not slow") does not.
+SLOW_EXAMPLES = {
+    "dgrad.benchmark_across",
+    "dgrad.models.gpt",
+    "dgrad.stress",
+    "dgrad.train.experiment",
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXAMPLES else n for n in MODULES],
+)
 def test_docstring_examples(name):
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

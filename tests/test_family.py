@@ -175,7 +175,12 @@ def test_adl_moves_the_weights_every_m_steps_only():
 
 @pytest.mark.parametrize(
     "method, options",
-    [("fr", {}), ("dgl", {}), ("fdg", dict(accumulate=2)), ("ddg", dict(probe_every=3))],
+    [
+        pytest.param("fr", {}, marks=pytest.mark.slow),
+        ("dgl", {}),
+        ("fdg", dict(accumulate=2)),
+        pytest.param("ddg", dict(probe_every=3), marks=pytest.mark.slow),
+    ],
 )
 def test_the_family_resumes_bit_identically(tmp_path, method, options):
     data = batches("mlp", 11)

@@ -96,6 +96,7 @@ def test_gpipe_and_1f1b_on_the_gpt_equal_fused_backprop():
             assert_close(params_of(state), params_of(fused))
 
 
+@pytest.mark.slow
 def test_the_comparison_can_fail_on_the_gpt():
     _, state, history = run_pipeline("gpt", 2, method="fdg", devices=jax.devices()[:2])
     assert_matches_reference(state, history, reference("gpt", 2, method="fdg", optimizer=optimizer))

@@ -63,7 +63,7 @@ def test_fused_backprop_is_data_parallel_over_its_group():
 ROWS = 24  # no weight of the test models is 24 long, so a leading 24 is the batch
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     "method, memory", [("fdg", "residuals"), ("fdg", "dots"), ("fdg", "recompute"), ("ddg", None)]
 )

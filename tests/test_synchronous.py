@@ -89,7 +89,7 @@ def test_batchnorm_cnn_keeps_its_numbers_under_the_memory_policies(method, memor
 
 @pytest.mark.parametrize(
     "num_stages,microbatches",
-    [pytest.param(K, M, marks=fast_if((K, M) == (3, 4))) for K in (1, 2, 3, 4) for M in (1, 2, 4)],
+    [pytest.param(K, M, marks=fast_if((K, M) == (2, 2))) for K in (1, 2, 3, 4) for M in (1, 2, 4)],
 )
 def test_gpipe_and_1f1b_equal_fused_backprop_without_batchnorm(num_stages, microbatches):
     data = batches("mlp", 6)
@@ -151,10 +151,10 @@ def test_one_microbatch_is_staged_backprop_bit_for_bit():
         pytest.param("cnn", "gpipe", 2, dict(method="gpipe", microbatches=4), marks=SLOW),
         pytest.param("cnn", "1f1b", 4, dict(method="bp"), marks=SLOW),
         ("mlp", "2bw", 2, dict(method="gpipe", microbatches=2)),
-        ("mlp", "gpipe", 2, dict(method="2bw", microbatches=2)),
-        ("mlp", "1f1b", 2, dict(method="2bw", microbatches=2)),
+        pytest.param("mlp", "gpipe", 2, dict(method="2bw", microbatches=2), marks=SLOW),
+        pytest.param("mlp", "1f1b", 2, dict(method="2bw", microbatches=2), marks=SLOW),
         ("mlp", "pipedream", 1, dict(method="fdg")),
-        ("mlp", "pipedream", 1, dict(method="ddg", weights="current")),
+        pytest.param("mlp", "pipedream", 1, dict(method="ddg", weights="current"), marks=SLOW),
     ],
 )
 def test_the_comparison_can_fail(model, method, microbatches, other):
@@ -192,7 +192,10 @@ def _calls_per_stage(method, num_stages, microbatches):
     return order
 
 
-@pytest.mark.parametrize("num_stages,microbatches", [(2, 4), (3, 4), (4, 8), (4, 2)])
+@pytest.mark.parametrize(
+    "num_stages,microbatches",
+    [(2, 4), pytest.param(3, 4, marks=SLOW), pytest.param(4, 8, marks=SLOW), (4, 2)],
+)
 def test_1f1b_keeps_at_most_K_minus_k_records_and_gpipe_M(num_stages, microbatches):
     for method, bound in [("1f1b", lambda k: num_stages - k), ("gpipe", lambda k: microbatches)]:
         held, most = [0] * num_stages, [0] * num_stages

@@ -48,6 +48,7 @@ def test_a_tfds_text_feature_that_is_not_there_is_named_with_the_features(tmp_pa
             data.load("tiny_shakespeare:body", data_dir=str(tmp_path), context=8)
 
 
+@pytest.mark.slow
 def test_the_language_model_config_trains_fdg_beside_bp_in_tokens(tmp_path):
     config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
     results = train(config, tmp_path, log=quiet)

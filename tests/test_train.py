@@ -194,7 +194,11 @@ def test_a_run_killed_before_its_first_checkpoint_or_its_export_resumes_whole(tm
 
 @pytest.mark.parametrize(
     "overrides",
-    [dict(method="fr"), dict(method="dgl", probe_every=4), dict(accumulate=2, probe_every=5)],
+    [
+        pytest.param(dict(method="fr"), marks=pytest.mark.slow),
+        dict(method="dgl", probe_every=4),
+        pytest.param(dict(accumulate=2, probe_every=5), marks=pytest.mark.slow),
+    ],
 )
 def test_the_family_trains_from_a_config(tmp_path, overrides):
     config = small_config(num_epochs=1, **overrides)

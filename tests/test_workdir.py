@@ -124,6 +124,7 @@ def test_a_workdir_trained_on_another_corpus_is_refused(tmp_path):
         train(config, older, log=quiet)
 
 
+@pytest.mark.slow
 def test_a_baseline_saved_as_one_stage_while_clipping_is_refused_in_one_line(tmp_path, monkeypatch):
     """Before clipping was per stage in the fused baseline too, its run was one stage."""
     config = small_config(num_epochs=1, baseline="bp")
