@@ -197,17 +197,16 @@ def text_metrics(
     >>> text_metrics({"test_loss": math.log(16), "seconds": 1.0}, 10, bpe)["test_bits_per_byte"]
     1.0
     """
-    metrics, fingerprint = {}, fingerprint or {}
+    units, fingerprint = {}, fingerprint or {}
     for split in ("train", "test"):
         if f"{split}_loss" in record:
             per_byte = 1.0  # byte-level tokens; subwords: the split's tokens per byte
             if f"{split}_tokens" in fingerprint:
                 per_byte = fingerprint[f"{split}_tokens"] / fingerprint[f"{split}_bytes"]
-            metrics[f"{split}_perplexity"] = math.exp(record[f"{split}_loss"])
-            metrics[f"{split}_bits_per_byte"] = record[f"{split}_loss"] / math.log(2) * per_byte
-    metrics["tokens_per_second"] = tokens_per_epoch / record["seconds"]
-    metrics.update({f"corpus_{name}": value for name, value in fingerprint.items()})
-    return metrics
+            units[f"{split}_perplexity"] = math.exp(record[f"{split}_loss"])
+            units[f"{split}_bits_per_byte"] = record[f"{split}_loss"] / math.log(2) * per_byte
+    units["tokens_per_second"] = tokens_per_epoch / record["seconds"]
+    return metrics.with_corpus(units, fingerprint)
 
 
 class Due(NamedTuple):

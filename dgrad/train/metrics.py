@@ -44,6 +44,29 @@ def read(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any
     return [r for r in records if kind is None or r.get("kind") == kind]
 
 
+CORPUS = "corpus_"  # the prefix of a record's corpus fingerprint entries
+
+
+def with_corpus(record: dict[str, Any], fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` with a text corpus' `fingerprint` as `corpus_<field>` entries; `corpus_of`
+    reads them back.
+
+    >>> record = with_corpus({"epoch": 1}, {"python": "3.11.7"})
+    >>> record, corpus_of(record)
+    ({'epoch': 1, 'corpus_python': '3.11.7'}, {'python': '3.11.7'})
+    """
+    return {**record, **{f"{CORPUS}{name}": value for name, value in fingerprint.items()}}
+
+
+def corpus_of(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The corpus fingerprint that `with_corpus` put in `record` ({} if none).
+
+    >>> corpus_of({"epoch": 1})
+    {}
+    """
+    return {k[len(CORPUS) :]: v for k, v in record.items() if k.startswith(CORPUS)}
+
+
 def truncate(path: str | os.PathLike, after_step: int) -> None:
     """Drops the records of steps after `after_step` (those a resumed run will redo).
 

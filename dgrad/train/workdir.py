@@ -143,7 +143,7 @@ def _recorded_corpus(path: str) -> dict[str, Any] | None:
     a workdir started before `config.json` kept it (None if no run has recorded one)."""
     for name in sorted(os.listdir(path)):
         for record in metrics.read(os.path.join(path, name, "metrics.jsonl"), "epoch"):
-            corpus = {k[len("corpus_") :]: v for k, v in record.items() if k.startswith("corpus_")}
+            corpus = metrics.corpus_of(record)
             if corpus:
                 return corpus
     return None
