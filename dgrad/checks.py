@@ -93,3 +93,24 @@ def integer(
             )
         raise ValueError(f"{name} must be {what}, got {value!r}" + (f"; {fix}." if fix else "."))
     return value
+
+
+def shrinking_factor(beta) -> float:
+    """`beta` as a float if it is a gradient-shrinking factor, in (0, 1]; else ValueError.
+
+    >>> shrinking_factor(1), shrinking_factor(0.5)
+    (1.0, 0.5)
+    >>> shrinking_factor(0)
+    Traceback (most recent call last):
+        ...
+    ValueError: beta must lie in (0, 1] (1 means no shrinking; ...), got 0.0.
+    """
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
+        raise ValueError(f"beta must be a number in (0, 1], got {beta!r}.")
+    beta = float(beta)
+    if not (math.isfinite(beta) and 0.0 < beta <= 1.0):
+        raise ValueError(
+            f"beta must lie in (0, 1] (1 means no shrinking; the FDG paper used 0.2-0.8), "
+            f"got {beta}."
+        )
+    return beta

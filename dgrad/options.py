@@ -19,7 +19,6 @@ ValueError: beta=0.5 asks for gradient shrinking, which only FDG has; use method
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 
 from dgrad import checks
@@ -47,27 +46,6 @@ PLACEMENTS = ("spread", "interleaved", "one_per_device")  # see dgrad.placement
 
 def _help(default, text: str):
     return dataclasses.field(default=default, metadata={"help": text})
-
-
-def check_beta(beta) -> float:
-    """Returns `beta` as a float if it is a valid shrinking factor, else raises ValueError.
-
-    >>> check_beta(1), check_beta(0.5)
-    (1.0, 0.5)
-    >>> check_beta(0)
-    Traceback (most recent call last):
-        ...
-    ValueError: beta must lie in (0, 1] (1 means no shrinking; ...), got 0.0.
-    """
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real):
-        raise ValueError(f"beta must be a number in (0, 1], got {beta!r}.")
-    beta = float(beta)
-    if not (math.isfinite(beta) and 0.0 < beta <= 1.0):
-        raise ValueError(
-            f"beta must lie in (0, 1] (1 means no shrinking; the FDG paper used 0.2-0.8), "
-            f"got {beta}."
-        )
-    return beta
 
 
 def _choice(name: str, value, choices) -> None:
@@ -155,7 +133,7 @@ class Options:
 
     def __post_init__(self):
         _choice("method", self.method, METHODS)
-        object.__setattr__(self, "beta", check_beta(self.beta))
+        object.__setattr__(self, "beta", checks.shrinking_factor(self.beta))
         if self.beta != 1.0 and not self.shrinks:
             raise ValueError(
                 f"beta={self.beta:g} asks for gradient shrinking, which only FDG has; use "

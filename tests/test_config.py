@@ -33,6 +33,7 @@ from dgrad.train.config import recipes
         ("optimizer.weight_decay", float("nan"), "use 0 or more"),
         ("steps_per_epoch", 100, "more than the 22 batches of 64 in digits's training split"),
         ("microbatches", 4, "method=fdg has no microbatches"),
+        ("model.hidden", (128, 0), "use positive layer sizes"),
     ],
 )
 def test_bad_config_values_name_the_field(tmp_path, field, value, message):
@@ -167,6 +168,10 @@ def test_the_gpu_language_model_configs_hold_their_settings(name, shape, method,
         (dict(model__name="mlp"), "text \\(stdlib, a tfds text dataset\\) trains model gpt"),
         (dict(method="dgl"), "DGL's auxiliary heads pool images"),
         (dict(model__heads=3), "use a divisor of model.width"),
+        (dict(model__heads=0), r"model.heads = 0 is not valid: use a positive integer"),
+        (dict(context=0), r"config.context = 0 is not valid: use a positive integer"),
+        (dict(model__width=0), r"model.width = 0 is not valid: use a positive integer"),
+        (dict(model__depth=-3), r"model.depth = -3 is not valid: use a positive integer"),
         (dict(optimizer__name="lamb"), "choose one of: sgd, adamw, muon, async_nesterov"),
         (dict(optimizer__clip_norm=-1.0), "use a norm > 0, or 0 for none"),
         (dict(tokenizer="wordpiece"), "choose one of: bytes, bpe"),

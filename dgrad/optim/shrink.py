@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dgrad.checks import integer
-from dgrad.options import check_beta
+from dgrad import checks
 
 
 def shrink(beta: float, depth: int) -> optax.GradientTransformation:
@@ -34,8 +33,8 @@ def shrink(beta: float, depth: int) -> optax.GradientTransformation:
     >>> updates["w"]  # -(0.5**2 * 4 + 0.1 * 1)
     Array([-1.1], dtype=float32)
     """
-    beta = check_beta(beta)
-    integer("depth", depth)
+    beta = checks.shrinking_factor(beta)
+    checks.integer("depth", depth)
     factor = beta ** int(depth)
 
     def init_fn(params):

@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Any, NamedTuple, Sequence
 
+import ml_collections
 import numpy as np
 
 from dgrad.distributed import child_options
@@ -129,6 +130,18 @@ class Combination:
 
         return [f"--config.{k}={text(v)}" for k, v in self.settings]
 
+    def config(self, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+        """A copy of `base` with the settings applied (`base` itself is left alone).
+
+        >>> from dgrad.train import config as fields
+        >>> Combination((("num_stages", 4),)).config(fields.base()).num_stages
+        4
+        """
+        config = base.copy_and_resolve_references()
+        for name, value in self.settings:
+            fields.set_field(config, name, value)
+        return config
+
 
 def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Combination], list[str]]:
     """The runs of every valid combination, and a note for each combination skipped
@@ -147,9 +160,7 @@ def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Combination], list[st
     reasons: dict[tuple[str, int], str] = {}  # (field, index of its value) -> first refusal
     for positions in itertools.product(*(range(len(grid[n])) for n in names)):
         run = Combination(tuple((n, grid[n][i]) for n, i in zip(names, positions)))
-        config = base.copy_and_resolve_references()
-        for name, value in run.settings:
-            fields.set_field(config, name, value)
+        config = run.config(base)
         try:
             fields.check(config)
         except ValueError as error:
@@ -368,9 +379,7 @@ class Sweep:
             if not epochs:
                 continue
             seconds = sum(r["seconds"] for r in epochs)
-            config = self.base.copy_and_resolve_references()
-            for name, value in run.settings:
-                fields.set_field(config, name, value)
+            config = run.config(self.base)
             steps = epochs[-1]["step"]
             rows.append(
                 {

@@ -131,12 +131,41 @@ FIELDS = (
         "model.depth",
         56,
         "depth: 6n+2 for cifar_resnet (20, 56, 110, 1202), 6n+4 for WRN, blocks for cnn1d",
+        rule=POSITIVE,
     ),
-    Field("model.width", 16, "cifar_resnet: channels of the first group; cnn1d: channels"),
-    Field("model.widen", 10, "wide_resnet: widening factor (WRN-28-10: depth 28, widen 10)"),
-    Field("model.hidden", (128, 128), "mlp: the hidden layer sizes"),
-    Field("model.heads", 4, "gpt: attention heads (model.depth: blocks, model.width: dim)"),
-    Field("context", 256, "text datasets (stdlib): tokens per window, the gpt's context"),
+    Field(
+        "model.width",
+        16,
+        "cifar_resnet: channels of the first group; cnn1d: channels",
+        rule=POSITIVE,
+    ),
+    Field(
+        "model.widen",
+        10,
+        "wide_resnet: widening factor (WRN-28-10: depth 28, widen 10)",
+        rule=POSITIVE,
+    ),
+    Field(
+        "model.hidden",
+        (128, 128),
+        "mlp: the hidden layer sizes",
+        rule=Rule(
+            lambda sizes: all(isinstance(n, int) and n >= 1 for n in sizes),
+            "use positive layer sizes separated by commas, as in 128,128",
+        ),
+    ),
+    Field(
+        "model.heads",
+        4,
+        "gpt: attention heads (model.depth: blocks, model.width: dim)",
+        rule=POSITIVE,
+    ),
+    Field(
+        "context",
+        256,
+        "text datasets (stdlib): tokens per window, the gpt's context",
+        rule=POSITIVE,
+    ),
     Field(
         "tokenizer",
         "bytes",
@@ -307,6 +336,7 @@ FIELDS = (
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 RESUMABLE_FIELDS = tuple(f.name for f in FIELDS if f.resumable)
+OPTION_FIELDS = tuple(name for name in FIELD_NAMES if name in _OPTIONS)  # dgrad.Options's
 
 
 def base() -> ml_collections.ConfigDict:
@@ -430,21 +460,10 @@ def check(config: ml_collections.ConfigDict) -> None:
         _fail("tokenizer", "bpe", "tokenizes text: use it with stdlib or a tfds text dataset")
     if model and values["method"] == "dgl":
         _fail("method", "dgl", "DGL's auxiliary heads pool images; gpt has none, use another")
-    if model and (values["model.width"] % values["model.heads"] or values["context"] < 1):
+    if model and values["model.width"] % values["model.heads"]:
         _fail("model.heads", values["model.heads"], "use a divisor of model.width")
     try:
-        Options(
-            method=config.method,
-            beta=config.beta,
-            weights=config.weights,
-            memory=config.memory,
-            data_parallel=config.data_parallel,
-            accumulate=config.accumulate,
-            probe_every=config.probe_every,
-            microbatches=config.microbatches,
-            predict=config.predict,
-            predict_lr=config.predict_lr,
-        )
+        Options(**{name: values[name] for name in OPTION_FIELDS})
     except ValueError as error:
         raise ValueError(f"config: {error}") from None
     parts = values["microbatches"] or 1
