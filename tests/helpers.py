@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 import dgrad
 from dgrad import models
@@ -55,6 +56,19 @@ def chained(stages, x):
     for stage in stages:
         x = stage(x)
     return x
+
+
+def whole_model_loss(stages):
+    """`loss(params, x, y)`: the mean cross-entropy of the model the `stages` cut, with
+    stage k's parameters `params[k]` (plain dicts, as the reference's history holds)."""
+    graphs = [nnx.split(stage, nnx.Param, ...) for stage in stages]
+
+    def loss(params, x, y):
+        for (graph, _, rest), p in zip(graphs, params):
+            x = nnx.merge(graph, p, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+
+    return loss
 
 
 def input_shape(model: str):
@@ -174,11 +188,13 @@ def assert_matches_reference(state, history, ref, rtol=RTOL, atol=ATOL):
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def check_on_layouts(model, num_stages, method, names=None, memory="residuals", **options):
+def check_on_layouts(
+    model, num_stages, method, names=None, memory="residuals", replicas=2, **options
+):
     """The pipeline of `method` with `options` (and `memory`) matches the reference on every
-    layout of `layouts(num_stages, replicas=2)` (or those `names`d); replicated layouts use
+    layout of `layouts(num_stages, replicas)` (or those `names`d); replicated layouts use
     the smooth optimizer (see SMOOTH_OPTIMIZER)."""
-    found = list(layouts_and_optimizers(num_stages, replicas=2))
+    found = list(layouts_and_optimizers(num_stages, replicas))
     missing = set(names or ()) - {name for name, _, _ in found}
     assert not missing, f"no layout {sorted(missing)} on {len(jax.devices())} devices"
     for name, layout, tx in found:
@@ -188,6 +204,7 @@ def check_on_layouts(model, num_stages, method, names=None, memory="residuals", 
         _, state, history = run_pipeline(
             model, num_stages, method=method, memory=memory, optimizer=tx, **options, **layout
         )
+        assert state.step == len(history)
         try:
             assert_matches_reference(state, history, ref)
         except AssertionError as error:

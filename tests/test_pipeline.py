@@ -13,8 +13,8 @@ from helpers import (
     batches,
     build_pipeline,
     build_stages,
+    check_on_layouts,
     layouts,
-    num_steps,
     optimizer,
     reference,
     run_pipeline,
@@ -40,26 +40,10 @@ FAST_CNN = [("ddg", "stash", "residuals", 1.0)]
 
 
 def check(model, num_stages, method, weights, memory, beta, names=None):
-    for name, layout in layouts(num_stages).items():
-        if names and name not in names:
-            continue
-        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
-        ref = reference(model, num_stages, method, weights, beta, tx)
-        _, state, history = run_pipeline(
-            model,
-            num_stages,
-            method=method,
-            weights=weights,
-            memory=memory,
-            beta=beta,
-            optimizer=tx,
-            **layout,
-        )
-        assert state.step == num_steps(num_stages)
-        try:
-            assert_matches_reference(state, history, ref)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
+    """On one device, a device per stage and devices // K replicas per stage."""
+    check_on_layouts(
+        model, num_stages, method, names, memory, replicas=None, weights=weights, beta=beta
+    )
 
 
 SLOW = pytest.mark.slow

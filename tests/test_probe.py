@@ -12,10 +12,10 @@ from helpers import (
     build_stages,
     params_of,
     run_pipeline,
+    whole_model_loss,
 )
 
 import dgrad
-from dgrad import models
 from dgrad.reference import reference_run
 
 
@@ -32,19 +32,11 @@ def test_the_probe_measures_against_a_hand_computation():
         state, _ = pipe.step(state, batch)
     probe = jax.device_get(pipe.probe(state, data[t]))
     ref = reference_run(build_stages("mlp", 2), data[:t], method="ddg", optimizer=optax.sgd(0.1))
-    graphs = [
-        models.split.nnx.split(s, models.split.nnx.Param, ...) for s in build_stages("mlp", 2)
-    ]
-
-    def loss(params, x, y):
-        for (graph, _, rest), p in zip(graphs, params):
-            x = models.split.nnx.merge(graph, p, rest)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
-
+    loss = whole_model_loss(build_stages("mlp", 2))
     x, y = data[t - 1]
     fresh = jax.grad(loss)([ref.history[0][t], ref.history[1][t]], x, y)[0]
     applied = jax.grad(loss)([ref.history[0][t - 1], ref.history[1][t - 1]], x, y)[0]
-    flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])  # noqa: E731
+    flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree.leaves(tree)])
     a, f = flat(applied), flat(fresh)
     now, then = flat(ref.history[0][t]), flat(ref.history[0][t - 1])
     np.testing.assert_allclose(

@@ -7,30 +7,18 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from helpers import assert_close, batches, build_stages
+from helpers import assert_close, batches, build_stages, whole_model_loss
 
 from dgrad.reference import max_relative_error, reference_run
 
 LR, STEPS = 0.1, 6
 
 
-def _whole_model_loss():
-    """The loss of batch `(x, y)` under the two stages' parameters `(w0, w1)`."""
-    graphs = [nnx.split(stage, nnx.Param, ...) for stage in build_stages("mlp", 2)]
-
-    def loss(params, x, y):
-        for (graph, _, rest), p in zip(graphs, params):
-            x = nnx.merge(graph, p, rest)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
-
-    return loss
-
-
 def _by_hand(rule, beta=1.0):
     """Stage k's weights at every iteration, when iteration t applies to stage k the
     gradient of batch `b` at weights `(w0 of iteration s0, w1 of iteration s1)`, for
     `rule(k, t) = (b, s0, s1)` or None; stage 0's gradient is scaled by `beta`."""
-    data, grad = batches("mlp", STEPS), jax.grad(_whole_model_loss())
+    data, grad = batches("mlp", STEPS), jax.grad(whole_model_loss(build_stages("mlp", 2)))
     initial = [nnx.to_pure_dict(nnx.state(s, nnx.Param)) for s in build_stages("mlp", 2)]
     history = [[initial[0]], [initial[1]]]
     for t in range(STEPS):
@@ -72,7 +60,7 @@ def test_the_reference_applies_each_papers_gradient(method, beta):
     history = _by_hand(RULES[method], beta)
     assert_close(ref.history, history, rtol=1e-5, atol=1e-6)
     # the loss is the last stage's, of the batch it backs, at the weights it backs it at
-    loss, data = _whole_model_loss(), batches("mlp", STEPS)
+    loss, data = whole_model_loss(build_stages("mlp", 2)), batches("mlp", STEPS)
     for t, value in enumerate(ref.losses):
         rule = RULES[method](1, t)
         assert (value is None) == (rule is None)
