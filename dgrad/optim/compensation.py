@@ -68,7 +68,7 @@ def delay_compensation(
             mean_square = optax.tree.update_moment_per_elem_norm(updates, mean_square, decay, 2)
             scale = jax.tree.map(lambda ms: strength / jnp.sqrt(ms + eps), mean_square)
         else:
-            scale = jax.tree.map(lambda g: jnp.asarray(strength, g.dtype), updates)
+            scale = optax.tree.full_like(updates, strength)
         updates = jax.tree.map(
             lambda g, s, now, old: g + s * g * g * (now - old), updates, scale, params, stale_params
         )

@@ -92,10 +92,8 @@ def delay(inner: optax.GradientTransformation, tau: int) -> optax.GradientTransf
         buffer = jax.tree.map(lambda b, g: b.at[slot].set(g.astype(b.dtype)), state.buffer, updates)
         ready = state.count >= tau
         new_updates, new_inner = inner.update(oldest, state.inner_state, params, **extra_args)
-        new_updates = jax.tree.map(lambda u: jnp.where(ready, u, jnp.zeros_like(u)), new_updates)
-        inner_state = jax.tree.map(
-            lambda new, old: jnp.where(ready, new, old), new_inner, state.inner_state
-        )
+        new_updates = optax.tree.where(ready, new_updates, optax.tree.zeros_like(new_updates))
+        inner_state = optax.tree.where(ready, new_inner, state.inner_state)
         return new_updates, DelayState(optax.safe_int32_increment(state.count), buffer, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
