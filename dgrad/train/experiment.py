@@ -148,9 +148,7 @@ def train(
             log(f"{plan.path} finished earlier: nothing left to train.")
             return finished
     import jax
-    import numpy as np
 
-    from dgrad import distributed
     from dgrad.train import build, loop  # the model's libraries: not needed to see it finished
 
     with contextlib.ExitStack() as context:
@@ -166,30 +164,12 @@ def train(
                     f"{steps_per_epoch} batches of the training split; this workdir trains "
                     f"{steps_per_epoch} per epoch, as it was started."
                 )
-            devices = list(devices or jax.devices())
-            example = tuple(np.asarray(a) for a in _example_batch(config, dataset))
-            pipes, initial = [], []
-            for run in runs:
-                pipes.append(build.build_pipeline(config, run, dataset, steps_per_epoch, devices))
-                initial.append(pipes[-1].init(example))
-                stop.check("building the model")
+            pipes, initial = _build_runs(config, runs, dataset, steps_per_epoch, devices, stop)
         except ValueError as error:
             raise SetupError(str(error)) from error
         if plan.extends_from is not None:
             log(_extension_note(config, plan.saved, steps_per_epoch))
-        problem = None
-        if jax.process_index() == 0:
-            try:
-                context.enter_context(workdir.hold(plan.path))
-                held = workdir.inspect(workdir_path, config, extend=extend)  # as it is now
-                plan = dataclasses.replace(held, existed=plan.existed)
-                workdir.check_corpus(held, dataset.fingerprint)
-                workdir.create(plan, config, dataset.fingerprint)
-            except ValueError as error:
-                problem = str(error)
-        problem = distributed.told_by_process_0(f"workdir {plan.path}", problem)
-        if problem is not None:  # every process refuses alike
-            raise SetupError(problem)
+        plan = _claim(plan, config, dataset, extend, context)
         results = {}
         try:
             for run, pipe, state in zip(runs, pipes, initial):
@@ -219,6 +199,47 @@ def train(
                 workdir.take_back(plan, [r.label for r in runs])
             raise
     return results
+
+
+def _build_runs(config, runs, dataset, steps_per_epoch: int, devices, stop: StopRequests):
+    """Each run's pipeline, and its initial state on a batch of the training split's shapes."""
+    import jax
+    import numpy as np
+
+    from dgrad.train import build
+
+    devices = list(devices or jax.devices())
+    example = tuple(np.asarray(a) for a in _example_batch(config, dataset))
+    pipes, initial = [], []
+    for run in runs:
+        pipes.append(build.build_pipeline(config, run, dataset, steps_per_epoch, devices))
+        initial.append(pipes[-1].init(example))
+        stop.check("building the model")
+    return pipes, initial
+
+
+def _claim(plan, config, dataset, extend: bool, context: contextlib.ExitStack):
+    """Takes the workdir for this command (process 0 holds its lock, looks at it again as it
+    is now and writes `config.json`); every process refuses alike what process 0 refused."""
+    import jax
+
+    from dgrad import distributed
+    from dgrad.train import workdir
+
+    problem = None
+    if jax.process_index() == 0:
+        try:
+            context.enter_context(workdir.hold(plan.path))
+            held = workdir.inspect(plan.path, config, extend=extend)
+            plan = dataclasses.replace(held, existed=plan.existed)
+            workdir.check_corpus(held, dataset.fingerprint)
+            workdir.create(plan, config, dataset.fingerprint)
+        except ValueError as error:
+            problem = str(error)
+    problem = distributed.told_by_process_0(f"workdir {plan.path}", problem)
+    if problem is not None:
+        raise SetupError(problem)
+    return plan
 
 
 def _example_batch(config, dataset):
