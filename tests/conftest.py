@@ -29,4 +29,5 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 def pytest_configure(config):
     if config.option.markexpr == "not slow":  # before any test builds a device
         flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+        if "--xla_backend_optimization_level" not in flags:  # xdist's workers inherit it
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()

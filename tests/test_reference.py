@@ -1,6 +1,6 @@
-"""dgrad.reference, itself checked by hand: at K = 2 with SGD, every update is the whole
-model's `jax.grad` at the weights of the iteration each paper names, written out per
-method below (the reference computes it stage by stage, through VJPs and messages)."""
+"""dgrad.reference, itself checked by hand: with SGD, every update is the whole model's
+`jax.grad` at the weights of the iteration each paper names, written out per method below
+(the reference computes it stage by stage, through VJPs and messages)."""
 
 import jax
 import numpy as np
@@ -11,73 +11,90 @@ from helpers import assert_close, batches, build_stages, whole_model_loss
 
 from dgrad.reference import max_relative_error, reference_run
 
-LR, STEPS = 0.1, 6
+LR, STEPS = 0.1, 8
 
 
-def _by_hand(rule, beta=1.0):
+def bp(K, k, t):
+    """Every stage: this iteration's batch at this iteration's weights."""
+    return t, [t] * K
+
+
+def ddg(K, k, t):
+    """Stage k: the batch of K-1-k iterations ago, at the weights that forwarded it."""
+    b = t - (K - 1 - k)
+    return (b, [b] * K) if b >= 0 else None
+
+
+def fdg(K, k, t):
+    """Stage k backs batch t-2K+2+k. Stage j forwarded that batch in iteration b+j after
+    updating (weights of index b+j+1), the last stage in b+K-1 before its update; each
+    stage backs it at the weights it forwarded it with."""
+    b = t - 2 * K + 2 + k
+    return (b, [b + j + 1 for j in range(K - 1)] + [b + K - 1]) if b >= 0 else None
+
+
+def _by_hand(K, rule, beta=1.0):
     """Stage k's weights at every iteration, when iteration t applies to stage k the
-    gradient of batch `b` at weights `(w0 of iteration s0, w1 of iteration s1)`, for
-    `rule(k, t) = (b, s0, s1)` or None; stage 0's gradient is scaled by `beta`."""
-    data, grad = batches("mlp", STEPS), jax.grad(whole_model_loss(build_stages("mlp", 2)))
-    initial = [nnx.to_pure_dict(nnx.state(s, nnx.Param)) for s in build_stages("mlp", 2)]
-    history = [[initial[0]], [initial[1]]]
+    gradient of batch `b` at the weights `w_j of iteration s[j]`, for `rule(K, k, t) =
+    (b, s)` or None; stage k's gradient is scaled by `beta ** (K - 1 - k)`."""
+    data, grad = batches("mlp", STEPS), jax.grad(whole_model_loss(build_stages("mlp", K)))
+    history = [[nnx.to_pure_dict(nnx.state(s, nnx.Param))] for s in build_stages("mlp", K)]
     for t in range(STEPS):
-        for k in range(2):
+        for k in range(K):
             w = history[k][t]
-            if rule(k, t) is not None:
-                b, s0, s1 = rule(k, t)
-                g = grad([history[0][s0], history[1][s1]], *data[b])[k]
-                w = jax.tree.map(lambda a, d, s=LR * beta ** (1 - k): a - s * d, w, g)
+            if rule(K, k, t) is not None:
+                b, s = rule(K, k, t)
+                g = grad([history[j][s[j]] for j in range(K)], *data[b])[k]
+                w = jax.tree.map(lambda a, d, f=LR * beta ** (K - 1 - k): a - f * d, w, g)
             history[k].append(w)
     return history
 
 
-RULES = {
-    # every stage: this iteration's batch at this iteration's weights
-    "bp": lambda k, t: (t, t, t),
-    # stage 1 as BP; stage 0 the batch of t-1 at the weights that forwarded it
-    "ddg": lambda k, t: (t, t, t) if k == 1 else (t - 1, t - 1, t - 1) if t >= 1 else None,
-    # a stage updates, then forwards batch t-k with the weights just updated (index t+1):
-    # stage 1 backs batch t-1, which stage 0 forwarded in t-1 at w0 of t, at its w1 of t;
-    # stage 0 gets that backward one iteration later and backs it at its stashed w0
-    "fdg": lambda k, t: (
-        ((t - 1, t, t) if t >= 1 else None)
-        if k == 1
-        else ((t - 2, t - 1, t - 1) if t >= 2 else None)
-    ),
-}
-
-
-@pytest.mark.parametrize("method, beta", [("bp", 1.0), ("ddg", 1.0), ("fdg", 1.0), ("fdg", 0.5)])
-def test_the_reference_applies_each_papers_gradient(method, beta):
+@pytest.mark.parametrize("K", [2, 3])
+@pytest.mark.parametrize(
+    "method, rule, beta", [("bp", bp, 1.0), ("ddg", ddg, 1.0), ("fdg", fdg, 1.0), ("fdg", fdg, 0.5)]
+)
+def test_the_reference_applies_each_papers_gradient(K, method, rule, beta):
+    data = batches("mlp", STEPS)
     ref = reference_run(
-        build_stages("mlp", 2),
-        batches("mlp", STEPS),
-        method=method,
-        optimizer=optax.sgd(LR),
-        beta=beta,
+        build_stages("mlp", K), data, method=method, optimizer=optax.sgd(LR), beta=beta
     )
-    history = _by_hand(RULES[method], beta)
+    history = _by_hand(K, rule, beta)
     assert_close(ref.history, history, rtol=1e-5, atol=1e-6)
+    assert ref.gradient_batches == [
+        [None if rule(K, k, t) is None else rule(K, k, t)[0] for t in range(STEPS)]
+        for k in range(K)
+    ]
     # the loss is the last stage's, of the batch it backs, at the weights it backs it at
-    loss, data = whole_model_loss(build_stages("mlp", 2)), batches("mlp", STEPS)
+    loss = whole_model_loss(build_stages("mlp", K))
+    assert len(ref.losses) == STEPS
     for t, value in enumerate(ref.losses):
-        rule = RULES[method](1, t)
-        assert (value is None) == (rule is None)
-        if rule is not None:
-            b, s0, s1 = rule
-            expected = loss([history[0][s0], history[1][s1]], *data[b])
+        backed = rule(K, K - 1, t)
+        assert (value is None) == (backed is None)
+        if backed is not None:
+            b, s = backed
+            expected = loss([history[j][s[j]] for j in range(K)], *data[b])
             np.testing.assert_allclose(value, expected, rtol=1e-5)
 
 
 def test_the_hand_computation_can_fail():
-    """DDG's stage 0 at fresh weights (the rule without its staleness) is another run."""
+    """DDG's stage 0 at fresh weights (the rule without its staleness) is another run, and
+    so is FDG's stage 0 at K = 3 shrunk by beta once, not by beta ** (K - 1 - k)."""
     ref = reference_run(
         build_stages("mlp", 2), batches("mlp", STEPS), method="ddg", optimizer=optax.sgd(LR)
     )
-    fresh = _by_hand(lambda k, t: (t, t, t) if k == 1 else (t - 1, t, t) if t >= 1 else None)
+    fresh = _by_hand(2, lambda K, k, t: (t - 1, [t, t]) if k == 0 and t >= 1 else ddg(K, k, t))
     assert max_relative_error(ref.history[0][-1], fresh[0][-1]) > 1e-3
-    assert max_relative_error(ref.history[0][-1], _by_hand(RULES["ddg"])[0][-1]) < 1e-5
+    assert max_relative_error(ref.history[0][-1], _by_hand(2, ddg)[0][-1]) < 1e-5
+    shrunk = reference_run(
+        build_stages("mlp", 3),
+        batches("mlp", STEPS),
+        method="fdg",
+        optimizer=optax.sgd(LR),
+        beta=0.5,
+    )
+    once = _by_hand(3, fdg, beta=0.5 ** (1 / 2))  # stage 0: 0.5 ** 1, not 0.5 ** 2
+    assert max_relative_error(shrunk.history[0][-1], once[0][-1]) > 1e-3
 
 
 def test_max_relative_error_is_the_worst_leaf():

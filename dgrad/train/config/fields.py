@@ -150,7 +150,10 @@ FIELDS = (
         (128, 128),
         "mlp: the hidden layer sizes",
         rule=Rule(
-            lambda sizes: all(isinstance(n, int) and n >= 1 for n in sizes),
+            lambda sizes: all(
+                isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1
+                for n in sizes
+            ),
             "use positive layer sizes separated by commas, as in 128,128",
         ),
     ),

@@ -36,6 +36,7 @@ def from_json(saved: dict[str, Any]) -> ml_collections.ConfigDict:
     True
     """
     config = base()
+    config.unlock()  # a field since removed: inspect has refused a run it changes
     config.update_from_flattened_dict(
         {k: tuple(v) if isinstance(v, list) else v for k, v in flatten(saved).items()}
     )
