@@ -64,9 +64,8 @@ def whole_model_loss(stages):
     graphs = [nnx.split(stage, nnx.Param, ...) for stage in stages]
 
     def loss(params, x, y):
-        for (graph, _, rest), p in zip(graphs, params):
-            x = nnx.merge(graph, p, rest)(x)
-        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+        merged = [nnx.merge(graph, p, rest) for (graph, _, rest), p in zip(graphs, params)]
+        return optax.softmax_cross_entropy_with_integer_labels(chained(merged, x), y).mean()
 
     return loss
 
