@@ -8,6 +8,7 @@ import shutil
 
 import jax
 import pytest
+from damage import DAMAGES, damage
 from helpers import (
     SMOOTH_OPTIMIZER,
     assert_close,
@@ -20,7 +21,7 @@ from helpers import (
 
 import dgrad
 from dgrad.options import MICROBATCHED
-from dgrad.train.checkpoint import Checkpointer
+from dgrad.train.checkpoint import Checkpointer, Unrestorable
 
 STEPS, SAVE_AT = 11, 5
 
@@ -249,3 +250,51 @@ def test_missing_checkpoint_says_where_it_looked(tmp_path):
         with pytest.raises(FileNotFoundError, match="No complete checkpoint"):
             checkpoints.restore(pipe)
     shutil.rmtree(tmp_path / "empty")
+
+
+def saved_twice(tmp_path):
+    """A run saved after steps 3 and 6; the pipeline and its state at step 3 (on host)."""
+    data = batches("mlp", 6)
+    pipe = build_pipeline("mlp", 2, method="fdg")
+    state = run(pipe, pipe.init(data[0]), data[:3])
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state, {"note": "at 3"})
+        at_3 = jax.device_get(state)
+        checkpoints.save(run(pipe, state, data[3:]), {"note": "at 6"})
+    return pipe, at_3
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGES))
+def test_a_damaged_checkpoint_is_one_line_naming_it_and_the_one_before_restores(tmp_path, how):
+    pipe, at_3 = saved_twice(tmp_path)
+    damage(tmp_path / "6", how)
+    with Checkpointer(tmp_path) as checkpoints:
+        assert checkpoints.all_steps() == [3, 6]
+        with pytest.raises(Unrestorable) as failed:
+            checkpoints.restore(pipe)
+        state, extra = checkpoints.restore(pipe, 3)
+    message = str(failed.value)
+    assert message.startswith(f"The checkpoint at step 6 in {tmp_path} does not restore: ")
+    assert DAMAGES[how] in failed.value.reason and "\n" not in message and len(message) < 500
+    assert failed.value.step == 6 and extra == {"note": "at 3"}
+    assert_equal(state, at_3)
+
+
+def test_a_checkpoint_set_aside_is_kept_and_out_of_the_way_of_later_saves(tmp_path):
+    pipe, at_3 = saved_twice(tmp_path)
+    damage(tmp_path / "6", "truncated data")
+    with Checkpointer(tmp_path, keep=2) as checkpoints:
+        where = checkpoints.set_aside(6)
+        assert where == str(tmp_path / "damaged" / "6") and checkpoints.all_steps() == [3]
+        state, _ = checkpoints.restore(pipe)
+        assert_equal(jax.device_get(state), at_3)
+        data = batches("mlp", 6)
+        state = run(pipe, state, data[3:5])
+        checkpoints.save(state)
+        checkpoints.save(run(pipe, state, data[5:]))  # step 6 again, over nothing
+        assert checkpoints.all_steps() == [5, 6]
+        checkpoints.restore(pipe)
+    damage(tmp_path / "6", "deleted data")
+    with Checkpointer(tmp_path) as checkpoints:  # the same step set aside twice: both kept
+        assert checkpoints.set_aside(6) == str(tmp_path / "damaged" / "6-2")
+    assert sorted(os.listdir(tmp_path / "damaged")) == ["6", "6-2"]

@@ -235,3 +235,23 @@ def test_a_workdir_of_another_experiment_is_refused(tmp_path):
     status, output = cli(SMOKE, f"--workdir={tmp_path}", timeout=120)
     assert status == 2 and "holds another experiment" in output and "Traceback" not in output
     assert json.loads((tmp_path / "config.json").read_text()) == {"method": "ddg"}
+
+
+def test_a_run_whose_checkpoints_all_fail_to_restore_is_one_line_and_status_2(tmp_path):
+    """Damaged checkpoints: each resume is one line, a resume with none left status 2."""
+    from damage import damage, snapshot
+
+    small = ["--config.model.name=mlp", "--config.baseline=", "--config.num_epochs=1"]
+    small += ["--config.steps_per_epoch=6", "--config.checkpoint_every_steps=4"]
+    status, output = cli(SMOKE, *small, f"--workdir={tmp_path}", timeout=300)
+    assert status == 0, output
+    (tmp_path / "curves.png").unlink()  # as if killed before the plot: it resumes
+    checkpoints = tmp_path / "fdg_k2" / "checkpoints"
+    damage(checkpoints / "6", "truncated data")
+    damage(checkpoints / "4", "deleted data")
+    before = snapshot(tmp_path / "fdg_k2")
+    status, output = cli(SMOKE, *small, f"--workdir={tmp_path}", timeout=300)
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert status == 2 and len(errors) == 1, output
+    assert f"No checkpoint in {checkpoints} restores (step 6: OUT_OF_RANGE" in errors[0]
+    assert "Traceback" not in output and snapshot(tmp_path / "fdg_k2") == before

@@ -6,6 +6,7 @@ import signal
 
 import jax
 import pytest
+from damage import DAMAGES, damage
 from flax import nnx
 from helpers import ROOT, assert_equal
 from training import quiet, records, small_config, stop_at_call
@@ -211,3 +212,62 @@ def test_the_family_trains_from_a_config(tmp_path, overrides):
         assert all(-1 <= r["cosine"] <= 1 for r in probes)
     else:
         assert probes == []
+
+
+@pytest.fixture(scope="module")
+def whole_and_cut(tmp_path_factory):
+    """The small config's run, whole, and stopped at step 13 (checkpoints 10 and 13)."""
+    root, config = tmp_path_factory.mktemp("damaged"), small_config()
+    train(config, root / "whole", log=quiet)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        stop_at_call(monkeypatch, 13)
+        with pytest.raises(Stopped):
+            train(config, root / "cut", log=quiet)
+    return root
+
+
+@pytest.mark.parametrize("how", sorted(DAMAGES))
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, whole_and_cut, how):
+    """One line names the checkpoint and what failed, one says where the run resumed; the
+    damaged checkpoint is set aside, and the run ends as one that never stopped."""
+    import shutil
+
+    run, workdir = "fdg_k2", tmp_path / "cut"
+    shutil.copytree(whole_and_cut / "cut", workdir)
+    checkpoints = workdir / run / "checkpoints"
+    damage(checkpoints / "13", how)
+    lines = []
+    train(small_config(), workdir, log=lines.append)
+    (failed,) = [line for line in lines if "does not restore" in line]
+    assert failed.startswith(f"  The checkpoint at step 13 in {checkpoints} does not restore: ")
+    assert DAMAGES[how] in failed and failed.endswith(f"; set aside in {checkpoints}/damaged/13")
+    resumed = "  resumed from the checkpoint at step 10 (epoch 2, 2 of 8 batches done)"
+    assert f"{resumed}, the newest that restores" in lines
+    assert records(workdir, run) == records(whole_and_cut / "whole", run)
+    assert sorted(os.listdir(checkpoints)) == ["15", "16", "damaged"]
+    assert os.listdir(checkpoints / "damaged") == ["13"]
+
+
+def test_a_run_whose_checkpoints_all_fail_to_restore_is_refused_and_left_as_it_was(
+    tmp_path, whole_and_cut
+):
+    import shutil
+
+    from damage import snapshot
+
+    from dgrad.train import SetupError
+
+    run, workdir = "fdg_k2", tmp_path / "cut"
+    shutil.copytree(whole_and_cut / "cut", workdir)
+    checkpoints = workdir / run / "checkpoints"
+    damage(checkpoints / "13", "truncated data")
+    damage(checkpoints / "10", "corrupt meta")
+    before = snapshot(workdir / run)
+    lines = []
+    with pytest.raises(SetupError) as refused:
+        train(small_config(), workdir, log=lines.append)
+    message = str(refused.value)
+    assert message.startswith(f"No checkpoint in {checkpoints} restores (step 13: OUT_OF_RANGE")
+    assert "; step 10: its meta: JSONDecodeError" in message and "\n" not in message
+    assert not [line for line in lines if "restore" in line]
+    assert snapshot(workdir / run) == before

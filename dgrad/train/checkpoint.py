@@ -11,10 +11,15 @@ saved layout: orbax reads every array straight onto the devices of its stage in
 the restoring pipeline, whatever its device layout, number of replicas or
 processes. Each save is atomic (orbax writes into a temporary directory and
 renames it when complete), so a run killed while saving resumes from the last
-complete checkpoint. Under several processes every process calls `save` and
-`restore`; each writes and reads its own shards, and none may have a collective
-in flight (a `dgrad.placement.share` not yet read, say) when it creates, saves or
-restores: orbax's barriers are collectives, and one could pair with it.
+complete checkpoint. A checkpoint that does not restore (a file of it damaged
+or missing, or a state of another structure) raises `Unrestorable`, one line
+naming it and what failed; `set_aside` moves it where orbax does not look.
+Under several processes every process calls `save`, `restore` and `set_aside`;
+each writes and reads its own shards, and none may have a collective in flight
+(a `dgrad.placement.share` not yet read, say) when it creates or saves: orbax's
+barriers are collectives, and one could pair with it. Restoring has no barrier:
+the processes tell each other through the `jax.distributed` key-value store
+whether their part restored, so that all of them succeed or fail together.
 
 >>> import tempfile, jax, jax.numpy as jnp, optax
 >>> import dgrad
@@ -32,17 +37,34 @@ restores: orbax's barriers are collectives, and one could pair with it.
 
 from __future__ import annotations
 
+import itertools
 import os
-from typing import TYPE_CHECKING, Any
+import sys
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
-from dgrad import placement
+from dgrad import distributed, placement
 
 if TYPE_CHECKING:
     from dgrad.state import PipelineState
+
+DAMAGED = "damaged"  # the folder beside the checkpoints where `set_aside` moves one
+
+
+class Unrestorable(ValueError):
+    """Checkpoint `step` in `directory` does not restore; `reason` says what failed, in one line.
+
+    >>> print(Unrestorable(8, "/runs/a/checkpoints", "its arrays: ValueError: OUT_OF_RANGE"))
+    The checkpoint at step 8 in /runs/a/checkpoints does not restore: its arrays: ValueError: ...
+    """
+
+    def __init__(self, step: int, directory: str, reason: str):
+        super().__init__(f"The checkpoint at step {step} in {directory} does not restore: {reason}")
+        self.step, self.reason = step, reason
 
 
 class Checkpointer:
@@ -77,6 +99,10 @@ class Checkpointer:
                 "meta": ocp.JsonCheckpointHandler(),
             },
         )
+        # Read without the manager: its restore ends in a barrier that a process whose
+        # read failed would never reach (see `restore`).
+        self._state_reader = ocp.StandardCheckpointHandler()
+        self._meta_reader = ocp.JsonCheckpointHandler()
 
     def __enter__(self):
         return self
@@ -93,6 +119,7 @@ class Checkpointer:
         ...     checkpoints.close()  # what `with Checkpointer(...)` does on leaving
         """
         self._manager.close()
+        self._state_reader.close()
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None.
@@ -166,9 +193,7 @@ class Checkpointer:
         ...     print(checkpoints.meta())
         {'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
         """
-        step = self._require(step)
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return restored["meta"]
+        return dict(self._meta_reader.restore(self._step_path(self._require(step)) / "meta"))
 
     def extra(self, step: int | None = None) -> dict[str, Any]:
         """The `extra` saved with checkpoint `step` (default the newest).
@@ -186,11 +211,19 @@ class Checkpointer:
         """
         return self.meta(step)["extra"]
 
-    def restore(self, pipe, step: int | None = None) -> tuple[PipelineState, dict[str, Any]]:
+    def restore(
+        self,
+        pipe,
+        step: int | None = None,
+        check: Callable[[dict[str, Any]], None] | None = None,
+    ) -> tuple[PipelineState, dict[str, Any]]:
         """Checkpoint `step` (default the newest) as a state of `pipe`, and its `extra`.
 
         `pipe` must be initialised (`pipe.init(example_batch)`); every array goes
-        to the devices `pipe` places its stage on.
+        to the devices `pipe` places its stage on. `check(meta)` may refuse the
+        checkpoint (by raising) on its `meta` before any array is read. A checkpoint
+        that does not restore raises `Unrestorable`; under several processes it does
+        so on every process if it failed on any (each reads its own part).
 
         >>> import tempfile, jax, jax.numpy as jnp, optax
         >>> import dgrad
@@ -206,26 +239,85 @@ class Checkpointer:
         ...     checkpoints.restore(other)
         Traceback (most recent call last):
             ...
-        ValueError: The checkpoint holds 1 stages but this pipeline has 2; resume with the same ...
+        dgrad.train.checkpoint.Unrestorable: ... does not restore: it holds 1 stages but ...
         >>> same = jax.tree.map(jnp.array_equal, restored.stages, state.stages)
         >>> extra, all(jax.tree.leaves(same))
         ({'epoch': 0}, True)
         """
-        meta = self.meta(step)
+        step = self._require(step)
+        meta, failure = None, None
+        try:
+            meta = self.meta(step)
+        except Exception as error:  # (its JSON damaged or missing)
+            failure = f"its meta: {_one_line(error)}"
+        if meta is not None and check is not None:
+            check(meta)  # (every process reads the same file: all refuse alike)
+        if failure is None:
+            try:
+                target = self._target(pipe, meta)
+                restored = self._read_state(step, target)
+            except Exception as error:  # damaged arrays, or a state of another structure
+                failure = _one_line(error)
+                _ignore_reads_left_behind()
+        failure = _first_failure(failure)
+        if failure is not None:
+            raise Unrestorable(step, self.directory, failure)
+        return restored, meta["extra"]
+
+    def _target(self, pipe, meta: dict[str, Any]) -> PipelineState:
+        """The state of `pipe` after `meta["step"]` steps, as abstract arrays; a ValueError
+        if the checkpoint holds another number of stages."""
         if meta["num_stages"] != pipe.num_stages:
             raise ValueError(
-                f"The checkpoint holds {meta['num_stages']} stages but this pipeline has "
+                f"it holds {meta['num_stages']} stages but this pipeline has "
                 f"{pipe.num_stages}; resume with the same number of stages."
             )
-        target = pipe.state_structure(meta["step"])
-        saved = self._manager.item_metadata(meta["step"])["state"].tree
+        return pipe.state_structure(meta["step"])
+
+    def _read_state(self, step: int, target: PipelineState) -> PipelineState:
+        """This process' part of checkpoint `step`'s state, placed as `target`."""
+        path = self._step_path(step) / "state"
+        saved = self._state_reader.metadata(path).tree
         _check_parameters(saved, target)
         stored = jax.tree.map(placement.shared_target, target)
         as_saved, back = _as_saved(stored, saved)
-        restored = self._manager.restore(
-            meta["step"], args=ocp.args.Composite(state=ocp.args.StandardRestore(as_saved))
-        )["state"]
-        return placement.unshare(back(restored), target), meta["extra"]
+        restored = self._state_reader.restore(path, args=ocp.args.StandardRestore(as_saved))
+        return placement.unshare(back(restored), target)
+
+    def set_aside(self, step: int) -> str:
+        """Moves checkpoint `step` (one that does not restore) into `damaged/` beside the
+        others, where orbax does not look: kept to be looked at, out of the way of the
+        saves of a run that redoes its steps. Returns where it went.
+
+        >>> import os, tempfile, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.save(state.replace(step=3))
+        ...     checkpoints.save(state.replace(step=5))
+        ...     where = checkpoints.set_aside(5)
+        ...     print(checkpoints.all_steps(), os.path.relpath(where, directory))
+        [3] damaged/5
+        """
+        self._require(step)
+        where = None
+        if jax.process_index() == 0:
+            folder = os.path.join(self.directory, DAMAGED)
+            where = os.path.join(folder, str(step))
+            for again in itertools.count(2):  # (the same step set aside before)
+                if not os.path.exists(where):
+                    break
+                where = os.path.join(folder, f"{step}-{again}")
+            os.makedirs(folder, exist_ok=True)
+            os.rename(self._step_path(step), where)
+        where = distributed.told_by_process_0("checkpoint set aside", where)  # (waits for it)
+        self._manager.reload()
+        return where
+
+    def _step_path(self, step: int) -> epath.Path:
+        return epath.Path(self.directory) / str(step)
 
     def _require(self, step: int | None) -> int:
         step = self.latest_step() if step is None else step
@@ -235,6 +327,77 @@ class Checkpointer:
                 f"{self.directory} (found steps {self.all_steps()})."
             )
         return step
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    """`error`'s message on one line, without tensorstore's spec and shortened to about
+    `limit` characters (its start and its end), after its type unless it is a plain
+    ValueError (orbax's and dgrad's say what they are).
+
+    >>> spec = " [tensorstore_spec='{...}']"
+    >>> _one_line(ValueError("OUT_OF_RANGE: Requested byte range [0, 924) is not valid" + spec))
+    'OUT_OF_RANGE: Requested byte range [0, 924) is not valid'
+    >>> import json
+    >>> try:
+    ...     json.loads("{not json")
+    ... except ValueError as error:
+    ...     print(_one_line(error))
+    JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)
+    >>> _one_line(ValueError("NOT_FOUND: Error reading " + "a/" * 200 + "d/4f1c"), limit=40)
+    'NOT_FOUND: Error  ... a/a/a/a/a/a/a/d/4f1c'
+    """
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = text.split(" [tensorstore_spec=")[0]
+    if len(text) > limit:  # the head names the error, the tail its cause
+        text = f"{text[: limit // 2 - 3]} ... {text[-(limit // 2) :]}"
+    if type(error) is ValueError and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _ignore_reads_left_behind() -> None:
+    """Keeps quiet the reads that a failed restore leaves in flight: orbax closes its event
+    loop at the first failure, and each read that ends later raises `RuntimeError('Event
+    loop is closed')` in tensorstore's thread, which Python prints as a traceback.
+
+    >>> _ignore_reads_left_behind()
+    >>> sys.unraisablehook.__name__
+    'ignoring_reads_left_behind'
+    """
+    if getattr(sys.unraisablehook, "__name__", "") == "ignoring_reads_left_behind":
+        return
+    previous = sys.unraisablehook
+
+    def ignoring_reads_left_behind(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = ignoring_reads_left_behind
+
+
+_RESTORES = itertools.count()  # calls so far; every process makes them in the same order
+
+
+def _first_failure(failure: str | None, timeout_s: float = 3600.0) -> str | None:
+    """The failure of the lowest process whose part failed (None: every part restored),
+    the same on every process, which waits for all of them to say (through the
+    `jax.distributed` key-value store, as `dgrad.distributed.StopVote`).
+
+    >>> _first_failure("its meta: JSONDecodeError"), _first_failure(None)  # one process
+    ('its meta: JSONDecodeError', None)
+    """
+    if jax.process_count() == 1:
+        return failure
+    from jax._src import distributed
+
+    client, key = distributed.global_state.client, f"dgrad/restore/{next(_RESTORES)}"
+    client.key_value_set(f"{key}/{jax.process_index()}", "" if failure is None else f"!{failure}")
+    for process in range(jax.process_count()):
+        said = client.blocking_key_value_get(f"{key}/{process}", int(timeout_s * 1000))
+        if said:
+            return f"on process {process}, {said[1:]}"
+    return None
 
 
 def _check_parameters(saved, target: PipelineState) -> None:

@@ -26,7 +26,7 @@ from dgrad.placement import share
 from dgrad.state import PipelineState
 from dgrad.train import config as fields
 from dgrad.train import export, metrics
-from dgrad.train.checkpoint import Checkpointer
+from dgrad.train.checkpoint import Checkpointer, Unrestorable
 from dgrad.train.config import Run
 from dgrad.train.evaluate import Limited, evaluate
 from dgrad.train.progress import Progress
@@ -326,13 +326,48 @@ class Behind:
 
 
 def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
-    """The state and tally to continue from: the newest checkpoint's, or a fresh start."""
-    if checkpoints.latest_step() is None:
+    """The state and tally to continue from: those of the newest checkpoint that restores
+    (the newer ones set aside, each said in one line), or a fresh start."""
+    steps = checkpoints.all_steps()
+    if not steps:
         path = os.path.join(ctx.run_dir, "metrics.jsonl")
         if ctx.writes and os.path.exists(path):  # killed before its first checkpoint
             metrics.truncate(path, after_step=0)
         return ctx.initial, Tally()
-    meta = checkpoints.meta()
+    failed = []
+    for step in reversed(steps):  # newest first, on every process alike
+        try:
+            state, extra = checkpoints.restore(
+                ctx.pipe, step, check=lambda meta: _refuse_other_runs(ctx, config, meta)
+            )
+            break
+        except Unrestorable as error:
+            failed.append(error)
+    else:
+        reasons = "; ".join(f"step {error.step}: {error.reason}" for error in failed)
+        raise WorkdirError(
+            f"No checkpoint in {checkpoints.directory} restores ({reasons}); move them out "
+            "of the way to train the run afresh, or use a new --workdir."
+        )
+    for error in failed:
+        where = checkpoints.set_aside(error.step)
+        ctx.log(f"  {error}; set aside in {where}")
+    if ctx.writes:
+        metrics.truncate(os.path.join(ctx.run_dir, "metrics.jsonl"), after_step=state.step)
+    if state.step >= total:
+        ctx.log(f"  finished earlier, at step {state.step}: nothing left to train")
+    else:
+        epoch, position = divmod(state.step, ctx.steps_per_epoch)
+        ctx.log(
+            f"  resumed from the checkpoint at step {state.step} (epoch {epoch + 1}, "
+            f"{position} of {ctx.steps_per_epoch} batches done)"
+            + (", the newest that restores" if failed else "")
+        )
+    return state, Tally(extra["tally"])
+
+
+def _refuse_other_runs(ctx: RunContext, config, meta: dict[str, Any]) -> None:
+    """Raises `WorkdirError` if the checkpoint of `meta` is of another run than this one."""
     changed = fields.differences(meta["extra"]["config"], config, extending=True)  # checked before
     if changed:
         raise WorkdirError(
@@ -347,21 +382,6 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
             f"of {ctx.pipe.num_stages} stages (clipping is per stage), so it cannot resume "
             "this one: train the experiment in a new --workdir."
         )
-    try:
-        state, extra = checkpoints.restore(ctx.pipe)
-    except ValueError as error:  # of another model, cut or options than the config makes
-        raise WorkdirError(f"{ctx.run_dir}: {error}") from None
-    if ctx.writes:
-        metrics.truncate(os.path.join(ctx.run_dir, "metrics.jsonl"), after_step=state.step)
-    if state.step >= total:
-        ctx.log(f"  finished earlier, at step {state.step}: nothing left to train")
-    else:
-        epoch, position = divmod(state.step, ctx.steps_per_epoch)
-        ctx.log(
-            f"  resumed from the checkpoint at step {state.step} (epoch {epoch + 1}, "
-            f"{position} of {ctx.steps_per_epoch} batches done)"
-        )
-    return state, Tally(extra["tally"])
 
 
 def _epoch_record(ctx, config, state, test, tally, epoch_start, watchdog) -> dict[str, Any]:

@@ -323,7 +323,10 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
         with Checkpointer(os.path.join(run_dir, "checkpoints")) as checkpoints:
             if checkpoints.latest_step() is None:
                 return None
-            meta = checkpoints.meta()
+            try:
+                meta = checkpoints.meta()
+            except Exception:  # (damaged: the run's resume says so, and takes an older one)
+                return None
         model = os.path.join(run_dir, "model")
         if meta["step"] < total_steps(meta) or not os.path.isdir(model):
             return None  # stopped before the end, or before the model was exported
