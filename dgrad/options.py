@@ -23,20 +23,20 @@ import numbers
 
 from dgrad import checks
 
-METHODS = ("bp", "ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
-TITLES = {"gpipe": "GPipe", "pipedream": "PipeDream", "2bw": "PipeDream-2BW"}  # else upper case
+METHODS = ("bp", "ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "zb", "pipedream", "2bw")
+TITLES = {"gpipe": "GPipe", "pipedream": "PipeDream", "2bw": "PipeDream-2BW", "zb": "ZB-H1"}
 
 
 def method_title(method: str) -> str:
     """The method's name as its papers write it.
 
-    >>> method_title("fdg"), method_title("gpipe"), method_title("2bw")
+    >>> method_title("fdg"), method_title("gpipe"), method_title("2bw")  # else upper case
     ('FDG', 'GPipe', 'PipeDream-2BW')
     """
     return TITLES.get(method, method.upper())
 
 
-MICROBATCHED = ("gpipe", "1f1b", "2bw")  # split each batch into `microbatches`
+MICROBATCHED = ("gpipe", "1f1b", "zb", "2bw")  # split each batch into `microbatches`
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")
 PREDICTIONS = ("momentum", "update")  # see dgrad.optim.prediction
@@ -75,10 +75,13 @@ class Options:
         "decoupled, Zhuang et al. 2019), fr (Features Replay, Huo et al. 2018: ddg replaying "
         "on current weights), dgl (decoupled greedy learning, Belilovsky et al. 2020: each "
         "stage trains on its own auxiliary head), gpipe (synchronous, Huang et al. 2019), "
-        "1f1b (1F1B-flush, Narayanan et al. 2021: gpipe's numbers in another order), "
-        "pipedream (asynchronous 1F1B with weight stashing, Harlap et al. 2019: ddg's "
-        "numbers), 2bw (PipeDream-2BW, Narayanan et al. 2021: each gradient one weight "
-        "version old); dgrad.schedule states each timetable",
+        "1f1b (1F1B-flush, Narayanan et al. 2021: gpipe's numbers in another order; "
+        "interleaved with virtual_stages), zb (zero-bubble ZB-H1, Qi et al. 2024: 1F1B with "
+        "each backward cut into input and weight gradients, the latter deferred into the "
+        "bubble; gpipe's numbers), pipedream (asynchronous 1F1B with weight stashing, Harlap "
+        "et al. 2019: ddg's numbers), 2bw (PipeDream-2BW, Narayanan et al. 2021: each "
+        "gradient one weight version old, steps overlapping with no flush); dgrad.schedule "
+        "states each timetable",
     )
     beta: float = _help(
         1.0,
@@ -127,8 +130,14 @@ class Options:
     )
     microbatches: int | None = _help(
         None,
-        "M, the microbatches each batch is split into (gpipe, 1f1b, 2bw: each stage sums "
-        "their gradients and updates once per batch); unset: 1",
+        "M, the microbatches each batch is split into (gpipe, 1f1b, zb, 2bw: each stage "
+        "sums their gradients and updates once per batch); unset: 1",
+    )
+    virtual_stages: int = _help(
+        1,
+        "V, model chunks per device group (1f1b: interleaved 1F1B, Narayanan et al. 2021; the "
+        "model is cut into K*V stages, chunk j on group j mod K, and microbatches must be a "
+        "multiple of K); 1: one stage per group",
     )
 
     def __post_init__(self):
@@ -150,6 +159,18 @@ class Options:
             )
         else:
             object.__setattr__(self, "microbatches", 1)
+        _integer("virtual_stages", self.virtual_stages, 1, "use 1 for one stage per group")
+        if self.virtual_stages > 1 and self.method != "1f1b":
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} interleaves 1F1B's chunks; use "
+                f"method=1f1b with it, or virtual_stages=1 with method={self.method}."
+            )
+        if self.method == "zb" and self.memory not in (None, "residuals"):
+            raise ValueError(
+                "method=zb computes each backward's input and weight gradients in two calls "
+                "from the forward's kept residuals; leave memory unset or use "
+                "memory=residuals."
+            )
         if self.method in ("pipedream", "2bw") and self.weights not in (None, "stash"):
             raise ValueError(
                 f"method={self.method} takes each gradient at the weights its forward used "

@@ -1,4 +1,5 @@
-"""The pipeline engine: BP, DDG and FDG over stages placed on device groups.
+"""The pipeline engine: every method's timetable carried out over stages placed on
+device groups.
 
 A `Pipeline` holds the compiled per-stage functions and describes the
 timetable; a `PipelineState` holds everything that changes: each stage's
@@ -45,10 +46,13 @@ from dgrad.schedule import (
     BackwardForward,
     Forward,
     Fused,
+    InputGradient,
     LocalLoss,
     Loss,
+    LossInput,
     Schedule,
     Unit,
+    WeightGradient,
 )
 from dgrad.stage import Calls, LossFn, Residuals, StageFunctions, shape_dtype
 from dgrad.state import Message, PipelineState, StageState, stage_specs, structure
@@ -60,10 +64,14 @@ class _Work:
     its `Apply`, and the metrics of the units the last stage took its loss on."""
 
     def __init__(self, stages: list[StageState], finite):
-        self.stages, self.finite = stages, finite
+        self.stages = [s.replace(gradient_sum=None) for s in stages]
+        self.finite = finite
         self.activations: dict[tuple[int, Unit], Message] = {}
         self.cotangents: dict[tuple[int, Unit], Message] = {}
-        self.gradients: dict[int, Any] = {}
+        self.gradients = {
+            k: s.gradient_sum for k, s in enumerate(stages) if s.gradient_sum is not None
+        }
+        self.weights_due: dict[tuple[int, Unit], tuple] = {}  # zero-bubble: (record, cotangent)
         self.metric_sum, self.loss_count, self.loss_of = None, 0, None
 
     def metrics(self) -> dict[str, Any]:
@@ -99,7 +107,7 @@ def _split_batch(batch):
 
 
 class Pipeline:
-    """Trains a list of NNX stages with BP, DDG or FDG on groups of devices.
+    """Trains a list of NNX stages with any of dgrad's methods on groups of devices.
 
     Args:
       stages: the model as a list of initialised `flax.nnx.Module`s; stage k's
@@ -107,8 +115,8 @@ class Pipeline:
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
       method, beta, weights, memory, fused, predict, predict_lr, data_parallel, accumulate,
-        probe_every, microbatches: the training options, see `dgrad.options.Options` (also for
-        what they mean).
+        probe_every, microbatches, virtual_stages: the training options, see
+        `dgrad.options.Options` (also for what they mean).
       devices, placement: which devices, and how stages (and their
         `data_parallel` replicas) map onto them; see `dgrad.placement.Placement`.
       loss_fn: `(outputs, labels) -> (mean loss, metrics)` for the last stage.
@@ -145,6 +153,7 @@ class Pipeline:
         accumulate: int = 1,
         probe_every: int | None = None,
         microbatches: int | None = None,
+        virtual_stages: int = 1,
         devices: Sequence[jax.Device] | None = None,
         placement: str | Sequence = "spread",
         loss_fn: LossFn = losses.softmax_cross_entropy,
@@ -166,14 +175,24 @@ class Pipeline:
             accumulate=accumulate,
             probe_every=probe_every,
             microbatches=microbatches,
+            virtual_stages=virtual_stages,
         )
         self.num_stages = len(stages)
         self.schedule = Schedule(
-            method, self.num_stages, microbatches=self.options.microbatches, fused=fused
+            method,
+            self.num_stages,
+            microbatches=self.options.microbatches,
+            fused=fused,
+            virtual_stages=virtual_stages,
         )
         _check_aux_heads(stages, self.schedule)
         self.placement = Placement(
-            self.num_stages, devices, placement, data_parallel=data_parallel, fused=fused
+            self.num_stages,
+            devices,
+            placement,
+            data_parallel=data_parallel,
+            fused=fused,
+            virtual_stages=virtual_stages,
         )
         self.loss_fn = loss_fn
         last, locally = self.num_stages - 1, self.schedule.trains_locally
@@ -376,9 +395,10 @@ class Pipeline:
             box.update({(k, m.batch): m for k, m in enumerate(waiting) if m is not None})
         for call in self.schedule.work(t):
             _CARRIERS[type(call)](self, call, work)
+        stages = [s.replace(gradient_sum=work.gradients.get(k)) for k, s in enumerate(work.stages)]
         return state.replace(
             step=t + 1,
-            stages=tuple(work.stages),
+            stages=tuple(stages),
             activations=self._waiting(work.activations, "activation"),
             cotangents=self._waiting(work.cotangents, "cotangent"),
             finite=work.finite,
@@ -449,6 +469,40 @@ class Pipeline:
                 stage.params, stage.rest, record, received.value, work.gradients.get(k), treedef
             )
         work.stages[k] = stage
+        self._send_back(k, work, call.unit, cotangent)
+
+    def _do_input_gradient(self, call: InputGradient, work: _Work) -> None:
+        k, treedef = call.stage, self.specs[call.stage].residual_treedef
+        received = work.cotangents.pop((k, call.unit))
+        record, stage = work.stages[k].take(call.unit, k)
+        cotangent = self._calls[k].backward_input(
+            stage.params, stage.rest, record, received.value, treedef
+        )
+        work.stages[k] = stage
+        work.weights_due[(k, call.unit)] = (record, received.value)
+        self._send_back(k, work, call.unit, cotangent)
+
+    def _do_weight_gradient(self, call: WeightGradient, work: _Work) -> None:
+        k, stage = call.stage, work.stages[call.stage]
+        record, cotangent = work.weights_due.pop((k, call.unit))
+        work.gradients[k] = self._calls[k].backward_weights(
+            stage.params,
+            stage.rest,
+            record,
+            cotangent,
+            work.gradients.get(k),
+            self.specs[k].residual_treedef,
+        )
+
+    def _do_loss_input(self, call: LossInput, work: _Work) -> None:
+        k, stage = call.stage, work.stages[call.stage]
+        message = work.activations.pop((k, call.unit))
+        record, seed, rest, cotangent, work.metric_sum, work.finite = self._calls[k].loss_input(
+            stage.params, stage.rest, message.value, message.labels, work.metric_sum, work.finite
+        )
+        work.stages[k] = stage.replace(rest=rest)
+        work.weights_due[(k, call.unit)] = (record, seed)
+        work.loss_of, work.loss_count = call.unit[0], work.loss_count + 1
         self._send_back(k, work, call.unit, cotangent)
 
     def _do_loss(self, call: Loss, work: _Work) -> None:
@@ -695,6 +749,9 @@ _CARRIERS = {
     Forward: Pipeline._do_forward,
     BackwardForward: Pipeline._do_backward_forward,
     Backward: Pipeline._do_backward,
+    InputGradient: Pipeline._do_input_gradient,
+    WeightGradient: Pipeline._do_weight_gradient,
+    LossInput: Pipeline._do_loss_input,
     Loss: Pipeline._do_loss,
     LocalLoss: Pipeline._do_local_loss,
     Apply: Pipeline._do_apply,

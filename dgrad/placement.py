@@ -155,8 +155,12 @@ class Placement:
       data_parallel: D, devices per stage; -1 uses them all (D = devices // K).
         Explicit index lists say D themselves (a D other than 1 or -1 must agree).
       fused: one group for all stages (fused backprop, data parallel over D).
+      virtual_stages: V; the K*V stages are interleaved 1F1B's chunks and chunk j shares
+        the group that `placement` gives stage j mod K of K.
 
     >>> import jax, jax.numpy as jnp
+    >>> [[d.id for d in g] for g in Placement(4, jax.devices()[:2], virtual_stages=2).groups]
+    [[0], [1], [0], [1]]
     >>> shared = Placement(2, jax.devices()[:1])  # two stages on one device
     >>> shared.data_parallel, shared.groups[0] == shared.groups[1]
     (1, True)
@@ -175,6 +179,7 @@ class Placement:
         *,
         data_parallel: int = 1,
         fused: bool = False,
+        virtual_stages: int = 1,
     ):
         devices = list(jax.devices() if devices is None else devices)
         if not devices:
@@ -187,9 +192,15 @@ class Placement:
         if len(set(devices)) != len(devices):
             raise ValueError("devices lists a device twice; pass each device once.")
         self.num_stages = num_stages
-        self.groups, self.data_parallel = _groups(
-            num_stages, devices, placement, data_parallel, fused
-        )
+        if virtual_stages > 1 and isinstance(placement, str):  # chunk j on group j mod K
+            groups, self.data_parallel = _groups(
+                num_stages // virtual_stages, devices, placement, data_parallel, fused
+            )
+            self.groups = tuple(groups[j % len(groups)] for j in range(num_stages))
+        else:
+            self.groups, self.data_parallel = _groups(
+                num_stages, devices, placement, data_parallel, fused
+            )
         if fused and len(set(self.groups)) > 1:
             raise ValueError(
                 "fused=True runs the whole step as one function on one device group, but the "

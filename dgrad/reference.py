@@ -11,9 +11,10 @@ Features Replay (`method="fr"`) is written out as its paper and code state it,
 module by module; the engine runs it as DDG with current weights and
 recomputation, and the tests check the two agree. DGL (`method="dgl"`) is its
 definition: batch by batch, each stage takes a step on its own auxiliary loss
-and hands its output on. GPipe, 1F1B and PipeDream-2BW are backprop over the
-microbatches of each batch, at the current weights or (2BW) at the weights of
-one version before; PipeDream is DDG with stashed weights. Eager and slow, on
+and hands its output on. GPipe, 1F1B (interleaved or not), zero-bubble and
+PipeDream-2BW are backprop over the microbatches of each batch, at the current
+weights or (2BW) at the weights of one version before; PipeDream is DDG with
+stashed weights. Eager and slow, on
 purpose.
 
 >>> import jax.numpy as jnp, optax
@@ -39,7 +40,7 @@ from flax import nnx
 from dgrad import losses
 from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.optim.prediction import predict_weights
-from dgrad.options import Options
+from dgrad.options import MICROBATCHED, Options
 from dgrad.schedule import Schedule
 
 
@@ -97,9 +98,11 @@ def reference_run(
     predict: str | None = None,
     predict_lr: float | None = None,
     microbatches: int = 1,
+    virtual_stages: int = 1,
 ) -> ReferenceRun:
     """Trains `stages` on `batches` by the definition of `method` (`microbatches`: the
-    parts gpipe, 1f1b and 2bw cut each batch into).
+    parts gpipe, 1f1b, zb and 2bw cut each batch into; `virtual_stages` changes only the
+    order: interleaved 1F1B's numbers are GPipe's on its chunks).
 
     The optimizer is the user's, without the shrinking transform: here
     shrinking is done to the cotangents instead. With `predict="momentum"` (or
@@ -122,7 +125,7 @@ def reference_run(
         return _features_replay(stages, batches, optimizer, loss_fn)
     if method == "dgl":
         return _greedy(stages, batches, optimizer, loss_fn)
-    if method in ("gpipe", "1f1b", "2bw"):
+    if method in MICROBATCHED:
         return _microbatched(
             stages, batches, optimizer, loss_fn, microbatches, one_version_old=method == "2bw"
         )
@@ -368,7 +371,9 @@ def _microbatched(stages, batches, optimizer, loss_fn, microbatches, one_version
     averages once per microbatch, in order) and take its gradient; every stage updates
     once with the mean of the M gradients. GPipe takes them at the current weights,
     W^{t+1} = U(W^t, g(W^t)); 2BW at the weights one version before,
-    W^{t+1} = U(W^t, g(W^{t-1})), W^{-1} = W^0."""
+    W^{t+1} = U(W^t, g(W^{t-1})), W^{-1} = W^0. 2BW has no flush: a stage whose
+    backwards of b_t go on into iteration t+1 (`Schedule.gradient_delay`) holds W^t
+    from then on, so its history is the recursion's one iteration later."""
     m, K = _Modules(stages, optimizer, loss_fn), len(stages)
     before = list(m.W)  # W^{t-1}
     losses, applied = [], [[] for _ in range(K)]
@@ -400,7 +405,13 @@ def _microbatched(stages, batches, optimizer, loss_fn, microbatches, one_version
             applied[k].append(t)
         losses.append(sum(values) / microbatches)
         m.snapshot()
-    return ReferenceRun(m.history, m.R, losses, applied)
+    history = m.history
+    if one_version_old:  # with no flush, a stage with backwards left applies g_t at t + 1
+        schedule = Schedule("2bw", K, microbatches=microbatches)
+        delays = [schedule.gradient_delay(k) for k in range(K)]
+        history = [h[:1] * d + h[: len(h) - d] for h, d in zip(history, delays)]
+        applied = [[None] * d + a[: len(a) - d] for a, d in zip(applied, delays)]
+    return ReferenceRun(history, m.R, losses, applied)
 
 
 def max_relative_error(a, b) -> float:

@@ -126,6 +126,45 @@ class Backward:
 
 
 @dataclasses.dataclass(frozen=True)
+class InputGradient:
+    """Zero-bubble's B: the cotangent of `unit`'s input alone, sent on at once; the record
+    and the received cotangent wait for the unit's `WeightGradient`.
+
+    >>> Schedule("zb", 3, microbatches=2).stage_work(1, 0)[2]
+    InputGradient(stage=1, unit=(0, 0))
+    """
+
+    stage: int
+    unit: Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradient:
+    """Zero-bubble's W: `unit`'s parameter gradient from the record and cotangent its
+    `InputGradient` (or `LossInput`) left, added to the stage's sum for `Apply`.
+
+    >>> Schedule("zb", 2, microbatches=2).stage_work(1, 0)[-2]
+    WeightGradient(stage=1, unit=(0, 1))
+    """
+
+    stage: int
+    unit: Unit
+
+
+@dataclasses.dataclass(frozen=True)
+class LossInput:
+    """Zero-bubble's last stage: forward `unit`, its loss and the input cotangent, keeping
+    the loss's VJP for the unit's `WeightGradient`.
+
+    >>> Schedule("zb", 2, microbatches=2).stage_work(1, 0)[0]
+    LossInput(stage=1, unit=(0, 0))
+    """
+
+    stage: int
+    unit: Unit
+
+
+@dataclasses.dataclass(frozen=True)
 class BackwardForward:
     """Back-propagate `backward` and update, and forward `forward`, in one call; the
     forward uses the updated weights if `update_first` (FDG), else the old ones (DDG).
@@ -173,7 +212,7 @@ class Apply:
     """Update once with the mean of the `count` gradients summed this iteration (the
     flush), keeping the weights before it as the previous version if `keep_previous`.
 
-    >>> Schedule("2bw", 2, microbatches=4).work(0)[-1]
+    >>> Schedule("2bw", 2, microbatches=4).stage_work(0, 1)[2]  # after b_0's last backward
     Apply(stage=0, count=4, keep_previous=True)
     """
 
@@ -193,38 +232,81 @@ class Fused:
     unit: Unit
 
 
-Work = Union[Forward, Backward, BackwardForward, Loss, LocalLoss, Apply, Fused]
+Work = Union[
+    Forward,
+    Backward,
+    InputGradient,
+    WeightGradient,
+    LossInput,
+    BackwardForward,
+    Loss,
+    LocalLoss,
+    Apply,
+    Fused,
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class InFlight:
     """What a pipeline carries between two iterations: the units whose records each stage
-    keeps (oldest first), and the unit whose activation or cotangent waits for it.
+    keeps (oldest first), the unit whose activation or cotangent waits for it, and the
+    batch whose gradient sum it carries into the next iteration (PipeDream-2BW).
 
     >>> Schedule("ddg", 3).in_flight(4)
-    InFlight(kept=([2, 3], [3], []), activations=(None, None, None), cotangents=(2, 3, None))
+    InFlight(kept=([2, 3], [3], []), activations=(None, None, None), cotangents=(2, 3, None), \
+summing=(None, None, None))
     """
 
     kept: tuple[list[Unit], ...]
     activations: tuple[Unit | None, ...]
     cotangents: tuple[Unit | None, ...]
+    summing: tuple[int | None, ...]
+
+
+def check_virtual_stages(num_stages: int, virtual_stages: int, microbatches: int) -> None:
+    """Interleaved 1F1B's rules: K*V chunks on K device groups, M a multiple of K.
+
+    >>> check_virtual_stages(8, 2, 8)  # 4 groups of 2 chunks, 8 microbatches: fine
+    >>> check_virtual_stages(8, 2, 6)
+    Traceback (most recent call last):
+        ...
+    ValueError: virtual_stages=2 runs the microbatches in rounds of K=4 (one per device ...
+    """
+    if num_stages % virtual_stages:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} puts V chunks on each of K device groups, so "
+            f"the model needs K*V stages, but it has {num_stages}; cut it into a multiple "
+            f"of {virtual_stages} (e.g. models.mlp(..., num_stages=K*V))."
+        )
+    groups = num_stages // virtual_stages
+    if microbatches % groups:
+        raise ValueError(
+            f"virtual_stages={virtual_stages} runs the microbatches in rounds of K={groups} "
+            f"(one per device group, Narayanan et al. 2021), so microbatches must be a "
+            f"multiple of {groups}, not {microbatches}."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """The timetable of `method` on a pipeline of `num_stages` stages.
+    """The timetable of `method` on a pipeline of `num_stages` stages (with
+    `virtual_stages` V > 1, interleaved 1F1B: stage j is chunk j of the model, on device
+    group j mod K of K = num_stages / V).
 
     >>> s = Schedule("ddg", num_stages=4)
     >>> [s.weight_staleness(k) for k in range(4)]
     [3, 2, 1, 0]
     >>> [s.backward_batch(k, 2) for k in range(4)]  # iteration 2: stage 0 has no gradient yet
     [None, 0, 1, 2]
+    >>> Schedule("1f1b", 4, microbatches=2, virtual_stages=2).device_of(3)  # chunk 3 of 4
+    1
     """
 
     method: str
     num_stages: int
     microbatches: int = 1
     fused: bool = False
+    virtual_stages: int = 1
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -236,13 +318,45 @@ class Schedule:
                 f"method={self.method} has no microbatches; microbatches is for "
                 f"{', '.join(MICROBATCHED)}."
             )
+        if self.virtual_stages != 1:
+            check_virtual_stages(self.num_stages, self.virtual_stages, self.microbatches)
+
+    @property
+    def num_devices(self) -> int:
+        """K, the device groups the stages run on (num_stages / virtual_stages).
+
+        >>> Schedule("1f1b", 6, microbatches=3, virtual_stages=2).num_devices
+        3
+        """
+        return self.num_stages // self.virtual_stages
+
+    def device_of(self, stage: int) -> int:
+        """The device group `stage` runs on: its own, or chunk j's j mod K when interleaved.
+
+        >>> [Schedule("1f1b", 4, microbatches=2, virtual_stages=2).device_of(j) for j in range(4)]
+        [0, 1, 0, 1]
+        """
+        return stage % self.num_devices
+
+    def lag(self, stage: int) -> int:
+        """PipeDream-2BW without a flush: how many microbatches `stage`'s forwards run ahead
+        of its backwards across steps, min(K-1-k, M) (1F1B's warm-up, at most one step).
+
+        >>> [Schedule("2bw", 4, microbatches=2).lag(k) for k in range(4)]
+        [2, 2, 1, 0]
+        """
+        return min(self.last - stage, self.microbatches)
 
     @property
     def _timetable(self) -> str:
         """The timetable the method runs (PipeDream's is DDG's, FR's is DDG's)."""
-        return {"fr": "ddg", "pipedream": "ddg", "1f1b": "gpipe", "2bw": "gpipe"}.get(
-            self.method, self.method
-        )
+        return {
+            "fr": "ddg",
+            "pipedream": "ddg",
+            "1f1b": "gpipe",
+            "2bw": "gpipe",
+            "zb": "gpipe",
+        }.get(self.method, self.method)
 
     @property
     def last(self) -> int:
@@ -255,8 +369,12 @@ class Schedule:
         [4, 2, 0]
         >>> [Schedule("ddg", 3).gradient_delay(k) for k in range(3)]  # K-1-k
         [2, 1, 0]
+        >>> [Schedule("2bw", 3, microbatches=2).gradient_delay(k) for k in range(3)]  # no flush
+        [1, 1, 0]
         """
         depth = self.last - stage
+        if self.method == "2bw":
+            return int(self.lag(stage) > 0)
         return {"ddg": depth, "fdg": 2 * depth}.get(self._timetable, 0)
 
     def forward_lag(self, stage: int) -> int:
@@ -433,55 +551,132 @@ class Schedule:
         return tuple(work)
 
     def stage_work(self, stage: int, t: int) -> list[Work]:
-        """`stage`'s calls of iteration `t` under a microbatched method, in its order.
+        """`stage`'s calls of iteration `t` under a microbatched method (one chunk per
+        device), in its order.
 
         >>> [(type(w).__name__, w.unit[1]) for w in Schedule("1f1b", 3, 4).stage_work(0, 0)[:5]]
         [('Forward', 0), ('Forward', 1), ('Forward', 2), ('Backward', 0), ('Forward', 3)]
         """
-        M, previous = self.microbatches, self.keeps_previous_weights
+        M = self.microbatches
         units = [(t, m) for m in range(M)]
+        if self.method == "2bw":
+            return self._overlapping_work(stage, t)
+        if self.method == "zb" and self.num_stages > 1:
+            return [*self._zero_bubble_work(stage, units), Apply(stage, M)]
         if stage == self.last:
-            work = [Loss(stage, u, apply=False, previous=previous) for u in units]
+            work = [Loss(stage, u, apply=False) for u in units]
         else:
-            forwards = [Forward(stage, u, previous) for u in units]
+            forwards = [Forward(stage, u) for u in units]
             backwards = [Backward(stage, u, apply=False) for u in units]
             if self.method == "gpipe":
                 work = [*forwards, *reversed(backwards)]
             else:  # 1F1B: K-1-k forwards to fill, then one forward and one backward in turn
-                warmup = min(self.last - stage, M)
-                work = forwards[:warmup]
-                for i in range(M - warmup):
-                    work += [forwards[warmup + i], backwards[i]]
-                work += backwards[M - warmup :]
-        return [*work, Apply(stage, M, keep_previous=previous)]
+                work = _one_forward_one_backward(forwards, backwards, self.last - stage)
+        return [*work, Apply(stage, M)]
+
+    def _zero_bubble_work(self, stage: int, units: list[Unit]) -> list[Work]:
+        """ZB-H1 (Qi et al. 2024): 1F1B's order with each backward cut into B (the input
+        cotangent, which the stage before waits for) and W (the weight gradient, which
+        nobody waits for); stage k defers its W's by k, into what 1F1B leaves idle, so it
+        holds at most K records, as 1F1B's first stage does."""
+        if stage == 0:  # no input cotangent to send: the whole backward at B's place
+            forwards = [Forward(stage, u) for u in units]
+            backwards = [Backward(stage, u, apply=False) for u in units]
+            return _one_forward_one_backward(forwards, backwards, self.last)
+        if stage == self.last:
+            firsts = [LossInput(stage, u) for u in units]
+        else:
+            forwards = [Forward(stage, u) for u in units]
+            inputs = [InputGradient(stage, u) for u in units]
+            firsts = _one_forward_one_backward(forwards, inputs, self.last - stage)
+        work, waiting = [], []
+        for call in firsts:
+            work.append(call)
+            if isinstance(call, (InputGradient, LossInput)):
+                waiting.append(WeightGradient(stage, call.unit))
+                if len(waiting) > stage:
+                    work.append(waiting.pop(0))
+        return work + waiting
+
+    def _overlapping_work(self, stage: int, t: int) -> list[Work]:
+        """PipeDream-2BW without a flush: stage k runs 1F1B across the steps, its forwards
+        `lag(k)` microbatches ahead of its backwards, so step t's forwards fill the time in
+        which step t-1's backwards drain. Every microbatch of b_t uses W^{t-1}: the current
+        weights before the stage applies b_{t-1}'s gradient (right after b_{t-1}'s last
+        backward), the previous version after it."""
+        M, lag = self.microbatches, self.lag(stage)
+        if stage == self.last:
+            work = [Loss(stage, (t, m), apply=False, previous=True) for m in range(M)]
+            return [*work, Apply(stage, M, keep_previous=True)]
+        work = []
+        for m in range(M):
+            work.append(Forward(stage, (t, m), previous=t > 0 and m >= lag))
+            if m >= lag:
+                work.append(Backward(stage, (t, m - lag), apply=False))
+            elif t > 0:
+                work.append(Backward(stage, (t - 1, M - lag + m), apply=False))
+                if m == lag - 1:
+                    work.append(Apply(stage, M, keep_previous=True))
+        return work
+
+    def device_work(self, device: int, t: int) -> list[Work]:
+        """Device group `device`'s calls of iteration `t` under a microbatched method, in
+        its order: its stage's, or, interleaved, Megatron's order over its V chunks
+        (Narayanan et al. 2021): forwards in rounds of K microbatches per chunk, a warm-up
+        of 2(K-1-d) + (V-1)K forwards, one forward and one backward in turn, the rest of
+        the backwards (chunks in reverse), then each chunk's update.
+
+        >>> s = Schedule("1f1b", 4, microbatches=2, virtual_stages=2)
+        >>> [(type(w).__name__[0], w.stage, w.unit[1]) for w in s.device_work(1, 0)[:6]]
+        [('F', 1, 0), ('F', 1, 1), ('L', 3, 0), ('L', 3, 1), ('B', 1, 0), ('B', 1, 1)]
+        """
+        if self.virtual_stages == 1:
+            return self.stage_work(device, t)
+        K, V, M = self.num_devices, self.virtual_stages, self.microbatches
+        total = M * V
+
+        def stage_and_unit(i: int, forward: bool):
+            chunk = (i % (K * V)) // K
+            chunk = chunk if forward else V - 1 - chunk
+            return chunk * K + device, (t, (i // (K * V)) * K + i % K)
+
+        def forward(i: int) -> Work:
+            stage, unit = stage_and_unit(i, True)
+            return Loss(stage, unit, apply=False) if stage == self.last else Forward(stage, unit)
+
+        def backward(i: int) -> list[Work]:
+            stage, unit = stage_and_unit(i, False)  # the last chunk's is in its Loss
+            return [] if stage == self.last else [Backward(stage, unit, apply=False)]
+
+        warmup = total if M == K else min(2 * (K - 1 - device) + (V - 1) * K, total)
+        work = [forward(i) for i in range(warmup)]
+        for i in range(total - warmup):
+            work += [forward(warmup + i), *backward(i)]
+        for i in range(total - warmup, total):
+            work += backward(i)
+        return work + [Apply(chunk * K + device, M) for chunk in range(V)]
 
     def _microbatch_work(self, t: int) -> tuple[Work, ...]:
-        """Every stage's `stage_work`, merged clock tick by clock tick: in each tick every
-        stage does its next call if what it needs is ready."""
-        queues = [self.stage_work(k, t) for k in range(self.num_stages)]
+        """Every device's `device_work`, merged clock tick by clock tick: in each tick every
+        device does its next call if what it needs is ready (made in an earlier tick, or
+        carried in from an earlier iteration)."""
+        queues = [self.device_work(d, t) for d in range(self.num_devices)]
         made = set()  # ("activation" | "cotangent", stage it waits for, unit)
+        made_here = {
+            message for queue in queues for work in queue for message in _sends(self, work)
+        }
         order = []
         while any(queues):
             tick = []
-            for k, queue in enumerate(queues):
+            for queue in queues:
                 if not queue:
                     continue
-                work = queue[0]
-                if isinstance(work, (Forward, Loss)) and k > 0:
-                    ready = ("activation", k, work.unit) in made
-                elif isinstance(work, Backward):
-                    ready = ("cotangent", k, work.unit) in made
-                else:
-                    ready = True
-                if ready:
+                if all(m in made or m not in made_here for m in _needs(queue[0])):
                     tick.append(queue.pop(0))
             if not tick:
                 raise AssertionError(f"the {self.method} timetable of iteration {t} deadlocks")
             for work in tick:
-                if isinstance(work, (Forward, Loss)) and work.stage < self.last:
-                    made.add(("activation", work.stage + 1, work.unit))
-                if isinstance(work, (Backward, Loss)) and work.stage > 0:
-                    made.add(("cotangent", work.stage - 1, work.unit))
+                made.update(_sends(self, work))
             order += tick
         return tuple(order)
 
@@ -492,23 +687,17 @@ class Schedule:
         out on unit names alone (from far enough back that nothing older survives).
 
         >>> Schedule("fdg", 2).in_flight(3)
-        InFlight(kept=([1, 2], []), activations=(None, 2), cotangents=(1, None))
+        InFlight(kept=([1, 2], []), activations=(None, 2), cotangents=(1, None), \
+summing=(None, None))
         >>> Schedule("gpipe", 2, microbatches=4).in_flight(3)  # the flush leaves nothing
-        InFlight(kept=([], []), activations=(None, None), cotangents=(None, None))
+        InFlight(kept=([], []), activations=(None, None), cotangents=(None, None), \
+summing=(None, None))
+        >>> Schedule("2bw", 2, microbatches=4).in_flight(3).summing  # b_2's 3 of 4 so far
+        (2, None)
         """
         kept = [[] for _ in range(self.num_stages)]
-        activations, cotangents = {}, {}
-
-        def take(box, key):
-            box.pop(key, None)  # made before the window: not in flight at t
-
-        def send(stage, unit):
-            if stage < self.last:
-                activations[(stage + 1, unit)] = True
-
-        def send_back(stage, unit):
-            if self.sends_cotangent(stage):
-                cotangents[(stage - 1, unit)] = True
+        summing: list[int | None] = [None] * self.num_stages
+        messages = {}  # (kind, stage it waits for, unit) -> True, in the order they were sent
 
         def drop(stage, unit):
             if unit in kept[stage]:
@@ -519,29 +708,30 @@ class Schedule:
                 if isinstance(work, Fused):
                     continue
                 k = work.stage
-                if isinstance(work, (Forward, Loss, LocalLoss, BackwardForward)):
-                    unit = work.forward if isinstance(work, BackwardForward) else work.unit
-                    take(activations, (k, unit))
-                    send(k, unit)
-                    if isinstance(work, Loss):
-                        send_back(k, unit)
-                    elif not isinstance(work, LocalLoss):
-                        kept[k].append(unit)
-                if isinstance(work, (Backward, BackwardForward)):
-                    unit = work.backward if isinstance(work, BackwardForward) else work.unit
-                    take(cotangents, (k, unit))
-                    drop(k, unit)
-                    send_back(k, unit)
+                for needed in _needs(work):
+                    messages.pop(needed, None)  # (one made before the window: not in flight)
+                messages.update(dict.fromkeys(_sends(self, work), True))
+                if isinstance(work, (Forward, LossInput, BackwardForward)):
+                    kept[k].append(work.forward if isinstance(work, BackwardForward) else work.unit)
+                if isinstance(work, (Backward, BackwardForward, WeightGradient)):
+                    drop(k, work.backward if isinstance(work, BackwardForward) else work.unit)
+                if isinstance(work, (Backward, Loss, WeightGradient)) and not _applies(work):
+                    summing[k] = work.unit[0]
+                if isinstance(work, Apply):
+                    summing[k] = None
 
-        def waiting(box):
+        def waiting(kind):
             by_stage = [None] * self.num_stages
-            for k, unit in box:
+            for key in messages:
+                if key[0] != kind:
+                    continue
+                _, k, unit = key
                 if by_stage[k] is not None:
                     raise AssertionError(f"two messages wait for stage {k} after iteration {t}")
                 by_stage[k] = unit
             return tuple(by_stage)
 
-        return InFlight(tuple(kept), waiting(activations), waiting(cotangents))
+        return InFlight(tuple(kept), waiting("activation"), waiting("cotangent"), tuple(summing))
 
     def most_kept(self, stage: int, t: int) -> int:
         """The most records `stage` holds at once during iteration `t` (a call that
@@ -559,10 +749,10 @@ class Schedule:
         for work in self.work(t):
             if getattr(work, "stage", None) != stage:
                 continue
-            if isinstance(work, (Forward, BackwardForward)):
+            if isinstance(work, (Forward, LossInput, BackwardForward)):
                 most = max(most, held + 1)
-                held += isinstance(work, Forward)
-            elif isinstance(work, Backward):
+                held += not isinstance(work, BackwardForward)
+            elif isinstance(work, (Backward, WeightGradient)):
                 held -= 1
         return most
 
@@ -595,3 +785,43 @@ class Schedule:
         [2, 3, None]
         """
         return self.in_flight(t).cotangents[stage]
+
+
+def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list:
+    """`warmup` forwards, then one forward and one backward in turn, then the rest of the
+    backwards (1F1B's order on one stage)."""
+    warmup = min(warmup, len(forwards))
+    work = forwards[:warmup]
+    for i in range(len(forwards) - warmup):
+        work += [forwards[warmup + i], backwards[i]]
+    return work + backwards[len(forwards) - warmup :]
+
+
+def _needs(work: Work) -> list[tuple]:
+    """The messages a call waits for: ("activation" | "cotangent", its stage, its unit)."""
+    if isinstance(work, (Forward, Loss, LossInput, LocalLoss)) and work.stage > 0:
+        return [("activation", work.stage, work.unit)]
+    if isinstance(work, BackwardForward):
+        return [("activation", work.stage, work.forward), ("cotangent", work.stage, work.backward)]
+    if isinstance(work, (Backward, InputGradient)):
+        return [("cotangent", work.stage, work.unit)]
+    return []
+
+
+def _sends(schedule: Schedule, work: Work) -> list[tuple]:
+    """The messages a call sends: its output on, its input's cotangent back."""
+    if isinstance(work, (Apply, Fused, WeightGradient)):
+        return []
+    k, sent = work.stage, []
+    forward = work.forward if isinstance(work, BackwardForward) else work.unit
+    backward = work.backward if isinstance(work, BackwardForward) else work.unit
+    if not isinstance(work, (Backward, InputGradient)) and k < schedule.last:
+        sent.append(("activation", k + 1, forward))
+    backs = (Backward, InputGradient, BackwardForward, Loss, LossInput)
+    if isinstance(work, backs) and schedule.sends_cotangent(k):
+        sent.append(("cotangent", k - 1, backward))
+    return sent
+
+
+def _applies(work: Work) -> bool:
+    return getattr(work, "apply", False)

@@ -13,10 +13,15 @@ takes them as they are), and jits the few pure functions a pipeline calls, its
   call (updating before the forward, as FDG does, or after it, as DDG does);
 - `backward_update`: backward and update only (stage-by-stage backprop);
 - `backward_sum`: backward, adding the gradient to a sum (microbatches);
+- `backward_input`, `backward_weights`: the two halves of `backward_sum`, the
+  input cotangent alone and the parameter gradient alone (zero-bubble's B and W;
+  each compiles without the other's work);
 - `apply_sum`: one update with the mean of a sum of gradients (the flush);
 - `loss_step`: the last stage's loss, backward and update;
 - `loss_sum`: the last stage's loss and backward, adding gradient and metrics
   to sums (microbatches);
+- `loss_input`: the last stage's loss and input cotangent, keeping the loss's
+  VJP for `backward_weights` (zero-bubble);
 - `aux_step`: DGL: forward, the loss of the stage's own auxiliary head, backward
   and update (the stage is a `dgrad.models.AuxStage`);
 - `predict`: the forward in evaluation mode;
@@ -143,9 +148,12 @@ class Calls(NamedTuple):
     step: Callable
     backward_update: Callable
     backward_sum: Callable
+    backward_input: Callable
+    backward_weights: Callable
     apply_sum: Callable
     loss_step: Callable
     loss_sum: Callable
+    loss_input: Callable
     aux_step: Callable
     predict: Callable
     gradient: Callable
@@ -160,9 +168,12 @@ _JIT_OPTIONS = Calls(
     step={"donate_argnums": (0, 1, 2), "static_argnums": (6, 7)},
     backward_update={"donate_argnums": (0, 2), "static_argnums": (5,)},
     backward_sum={"donate_argnums": (4,), "static_argnums": (5,)},
+    backward_input={"static_argnums": (4,)},
+    backward_weights={"donate_argnums": (4,), "static_argnums": (5,)},
     apply_sum={"donate_argnums": (1, 2)},  # the weights before it may be kept (2BW)
     loss_step={"donate_argnums": (0, 1, 2)},
     loss_sum={"donate_argnums": (4, 5)},
+    loss_input={"donate_argnums": (4,)},
     aux_step={"donate_argnums": (0, 1, 2)},
     predict={},
     gradient={"static_argnums": (4,)},
@@ -434,6 +445,15 @@ class StageFunctions:
             grads = jax.tree.map(jnp.add, grad_sum, grads)
         return _constrain(grads, self.replicated), input_cotangent
 
+    def _backward_input(self, params, rest, record, cotangent, treedef=None):
+        """The input cotangent of `record`'s batch alone (zero-bubble's B)."""
+        return self._backward(record, params, rest, cotangent, treedef)[1]
+
+    def _backward_weights(self, params, rest, record, cotangent, grad_sum, treedef=None):
+        """`grad_sum` plus the parameter gradient of `record`'s batch alone (zero-bubble's
+        W); `record` may be the last stage's `loss_input` VJP, `cotangent` its seed."""
+        return self._backward_sum(params, rest, record, cotangent, grad_sum, treedef)[0]
+
     def _apply_sum(self, params, opt_state, grad_sum, count, stale_params=None):
         """One update with the mean of the `count` gradients in `grad_sum`."""
         grads = jax.tree.map(lambda g: g / count, grad_sum)
@@ -500,6 +520,57 @@ class StageFunctions:
         return (
             _constrain(grads, self.replicated),
             _constrain(rest, self.replicated),
+            _constrain(cotangent, self.sharded),
+            _constrain(metrics, self.replicated),
+            finite,
+        )
+
+    def _loss_vjp(self, params, rest, x, labels):
+        """`(loss, vjp, (metrics, new_rest))` of the last stage, w.r.t. params and x."""
+
+        def loss(params, x):
+            y, new_rest = self.apply(params, rest, x)
+            value, metrics = self.loss_fn(y, labels)
+            return value, (metrics, new_rest)
+
+        return jax.vjp(loss, params, x, has_aux=True)
+
+    def loss_residual_treedef(self, params, rest, x, labels):
+        """The structure of the VJP whose leaves `loss_input` keeps.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from dgrad import losses
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+        ...                      loss_fn=losses.softmax_cross_entropy)
+        >>> x, labels = jnp.ones((4, 3)), jnp.array([0, 1, 0, 1])
+        >>> record, *_ = fns.calls.loss_input(fns.params, fns.rest, x, labels, None, True)
+        >>> fns.loss_residual_treedef(fns.params, fns.rest, x, labels).num_leaves == len(
+        ...     record.residuals)
+        True
+        """
+        shapes = jax.tree.map(shape_dtype, (params, rest, x, labels))
+        return jax.tree.structure(jax.eval_shape(lambda *a: self._loss_vjp(*a)[1], *shapes))
+
+    def _loss_input(self, params, rest, x, labels, metric_sum, finite):
+        """The last stage's loss and input cotangent, its metrics added to `metric_sum`
+        (started where it is None); the loss's VJP is kept for `backward_weights`.
+
+        Returns the record, the seed cotangent `backward_weights` back-propagates (ones
+        like the loss), the new statistics, the input cotangent, the metric sum and
+        `finite` and-ed with whether this loss is finite.
+        """
+        value, vjp, (metrics, new_rest) = self._loss_vjp(params, rest, x, labels)
+        seed = jnp.ones_like(value)
+        cotangent = vjp(seed)[1]
+        metrics = {"loss": value, **metrics}
+        if metric_sum is not None:
+            metrics = jax.tree.map(jnp.add, metric_sum, metrics)
+        finite = finite & jnp.isfinite(value)
+        return (
+            Residuals(jax.tree.leaves(vjp), None),
+            seed,
+            _constrain(new_rest, self.replicated),
             _constrain(cotangent, self.sharded),
             _constrain(metrics, self.replicated),
             finite,

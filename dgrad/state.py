@@ -26,7 +26,8 @@ from dgrad.stage import Record, Residuals, StageFunctions
 class StageState:
     """One stage's state: weights, statistics, optimizer state, the records it keeps
     (`kept[i]` for the forward of unit `kept_batches[i]`, oldest first), and, where the
-    timetable keeps two weight versions (PipeDream-2BW), the weights of the one before.
+    timetable keeps two weight versions (PipeDream-2BW), the weights of the one before and
+    the sum of the gradients of the batch whose backwards go on in the next step.
 
     >>> import jax, jax.numpy as jnp
     >>> stage = StageState(params={"w": jnp.ones(2)}, rest={}, opt_state=())
@@ -40,6 +41,7 @@ class StageState:
     kept: tuple[Record, ...] = ()
     kept_batches: tuple[Unit, ...] = struct.field(pytree_node=False, default=())
     previous: Any = None
+    gradient_sum: Any = None
 
     def keep(self, record: Record, batch: int) -> StageState:
         """This state with `record`, of the forward of `batch`, kept as the newest.
@@ -168,7 +170,10 @@ def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageS
         try:
             if k == last:
                 jax.eval_shape(fns._loss_and_backward, fns.params, fns.rest, shape, labels)
-                specs.append(StageSpec(shape, None, None))
+                treedef = None
+                if fns.options.method == "zb" and k > 0:  # its W back-propagates the loss's VJP
+                    treedef = fns.loss_residual_treedef(fns.params, fns.rest, shape, labels)
+                specs.append(StageSpec(shape, None, None, treedef))
             else:
                 opt_state = jax.eval_shape(fns.optimizer.init, fns.params)
                 outputs, _, record = jax.eval_shape(
@@ -223,7 +228,8 @@ def structure(
         params, rest = on(fns.params, replicated), on(fns.rest, replicated)
         opt_state = on(jax.eval_shape(fns.optimizer.init, fns.params), replicated)
         previous = params if schedule.keeps_previous_weights else None
-        stage = StageState(params, rest, opt_state, previous=previous)
+        gradient_sum = None if in_flight.summing[k] is None else params
+        stage = StageState(params, rest, opt_state, previous=previous, gradient_sum=gradient_sum)
         for unit in in_flight.kept[k]:
             stage = stage.keep(_record_structure(placement, k, fns, spec, opt_state), unit)
         stage_states.append(stage)

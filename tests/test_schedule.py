@@ -4,7 +4,7 @@ who applies which gradient, how stale) against the calls the engine carries out.
 import pytest
 
 from dgrad import schedule as sched
-from dgrad.options import METHODS
+from dgrad.options import METHODS, MICROBATCHED
 from dgrad.schedule import Schedule
 
 
@@ -78,6 +78,10 @@ def _replay(schedule, iterations):
                 forward(k, t, call.unit, call.previous)
             elif isinstance(call, sched.Backward):
                 gradient(k, t, call.unit, call.apply)
+            elif isinstance(call, sched.WeightGradient):
+                gradient(k, t, call.unit, False)
+            elif isinstance(call, sched.LossInput):
+                forward(k, t, call.unit)
             elif isinstance(call, sched.BackwardForward):
                 if call.update_first:
                     update(k, t, [call.backward])
@@ -102,7 +106,8 @@ PAPERS = {
     "bp": lambda t, k, K: (t, t),
     "gpipe": lambda t, k, K: (t, t),
     "1f1b": lambda t, k, K: (t, t),
-    "2bw": lambda t, k, K: (t, t),
+    "zb": lambda t, k, K: (t, t),
+    "2bw": lambda t, k, K: (t, t - (k < K - 1)),  # no flush: b_t's backwards end in t + 1
     "ddg": lambda t, k, K: (t, t - (K - 1 - k)),
     "fr": lambda t, k, K: (t, t - (K - 1 - k)),
     "pipedream": lambda t, k, K: (t, t - (K - 1 - k)),
@@ -133,8 +138,84 @@ def test_the_calls_and_the_arithmetic_say_what_the_papers_do(method, K):
     weight_staleness (which the probe, the checkpoint structure and the reference read),
     against the papers' timetables, for every method."""
     assert set(PAPERS) == set(METHODS)
-    microbatches = 3 if method in ("gpipe", "1f1b", "2bw") else 1
+    microbatches = 3 if method in MICROBATCHED else 1
     _check_replay(Schedule(method, K, microbatches=microbatches))
+
+
+@pytest.mark.parametrize("K,V,M", [(2, 2, 2), (2, 2, 4), (2, 3, 4), (3, 2, 3), (4, 2, 8)])
+def test_interleaved_1f1b_applies_each_batch_once_per_chunk_in_its_own_step(K, V, M):
+    schedule = Schedule("1f1b", K * V, microbatches=M, virtual_stages=V)
+    seen = _replay(schedule, 3)
+    assert all(seen["applied"][(j, t)] == {t} for j in range(K * V) for t in range(3))
+    assert all(seen["staleness"][j] <= {0} for j in range(K * V))
+
+
+def test_interleaved_1f1b_runs_megatrons_order():
+    """Narayanan et al. 2021 (Megatron's interleaved schedule), K = 2 devices, V = 2 chunks
+    (stages 0 and 2 on device 0), M = 4: 2(K-1-d) + (V-1)K = 4 warm-up forwards on
+    device 0, forwards in rounds of K microbatches per chunk, backwards chunks reversed."""
+    F, B = sched.Forward, sched.Backward
+    expected = [
+        F(0, (0, 0)), F(0, (0, 1)), F(2, (0, 0)), F(2, (0, 1)),
+        F(0, (0, 2)), B(2, (0, 0), False), F(0, (0, 3)), B(2, (0, 1), False),
+        F(2, (0, 2)), B(0, (0, 0), False), F(2, (0, 3)), B(0, (0, 1), False),
+        B(2, (0, 2), False), B(2, (0, 3), False), B(0, (0, 2), False), B(0, (0, 3), False),
+        sched.Apply(0, 4), sched.Apply(2, 4),
+    ]  # fmt: skip
+    assert Schedule("1f1b", 4, microbatches=4, virtual_stages=2).device_work(0, 0) == expected
+
+
+def test_zero_bubble_runs_zb_h1():
+    """Qi et al. 2024, ZB-H1 with K = 3, M = 4: stage k runs 1F1B's order with B in place
+    of the backward and its W's k behind its B's (the last stage's B is in its loss call),
+    so no stage holds more than K records."""
+    F, B, W, L = sched.Forward, sched.InputGradient, sched.WeightGradient, sched.LossInput
+    u = [(0, m) for m in range(4)]
+    s = Schedule("zb", 3, microbatches=4)
+    assert s.stage_work(0, 0) == [
+        *(F(0, u[m]) for m in range(3)), sched.Backward(0, u[0], False), F(0, u[3]),
+        *(sched.Backward(0, u[m], False) for m in (1, 2, 3)), sched.Apply(0, 4),
+    ]  # fmt: skip
+    assert s.stage_work(1, 0) == [
+        F(1, u[0]), F(1, u[1]), B(1, u[0]), F(1, u[2]), B(1, u[1]), W(1, u[0]),
+        F(1, u[3]), B(1, u[2]), W(1, u[1]), B(1, u[3]), W(1, u[2]), W(1, u[3]),
+        sched.Apply(1, 4),
+    ]  # fmt: skip
+    assert s.stage_work(2, 0) == [
+        L(2, u[0]), L(2, u[1]), L(2, u[2]), W(2, u[0]), L(2, u[3]), W(2, u[1]),
+        W(2, u[2]), W(2, u[3]), sched.Apply(2, 4),
+    ]  # fmt: skip
+    assert [s.most_kept(k, 0) for k in range(3)] == [3, 3, 3]
+
+
+def test_2bw_overlaps_the_steps_and_carries_one_gradient_sum():
+    """No flush: stage k's forwards run min(K-1-k, M) microbatches ahead of its backwards
+    across steps, b_t's microbatches all at W^{t-1} (the current weights before b_{t-1}'s
+    update, the previous version after it)."""
+    s = Schedule("2bw", 3, microbatches=2)
+    F, B = sched.Forward, sched.Backward
+    assert s.stage_work(0, 4) == [
+        F(0, (4, 0), False), B(0, (3, 0), False), F(0, (4, 1), False), B(0, (3, 1), False),
+        sched.Apply(0, 2, keep_previous=True),
+    ]  # fmt: skip
+    assert s.stage_work(1, 4) == [
+        F(1, (4, 0), False), B(1, (3, 1), False), sched.Apply(1, 2, keep_previous=True),
+        F(1, (4, 1), True), B(1, (4, 0), False),
+    ]  # fmt: skip
+    assert s.in_flight(5) == sched.InFlight(
+        kept=([(4, 0), (4, 1)], [(4, 1)], []),
+        activations=(None, None, None),
+        cotangents=((4, 0), (4, 1), None),
+        summing=(None, 4, None),
+    )
+
+
+@pytest.mark.parametrize("method,K,M,V", [("1f1b", 4, 3, 1), ("1f1b", 4, 2, 2), ("zb", 4, 3, 1)])
+def test_every_synchronous_order_is_free_of_deadlock(method, K, M, V):
+    for k in range(1, K + 1):
+        for m in range(1, 2 * M + 1):
+            if V == 1 or m % k == 0:
+                Schedule(method, k * V, microbatches=m, virtual_stages=V).work(0)
 
 
 def test_the_replay_can_fail():

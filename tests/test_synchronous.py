@@ -1,6 +1,7 @@
-"""Synchronous pipelines (GPipe, 1F1B-flush) and the PipeDream family (PipeDream,
-PipeDream-2BW) against the plain reference, fused backprop and the optax delay
-transform, on one device, on one device per stage and with every stage replicated."""
+"""Synchronous pipelines (GPipe, 1F1B-flush, interleaved 1F1B, zero-bubble) and the
+PipeDream family (PipeDream, PipeDream-2BW) against the plain reference, fused backprop
+and the optax delay transform, on one device, on one device per stage and with every
+stage replicated."""
 
 import jax
 import numpy as np
@@ -41,9 +42,51 @@ def fast_if(condition):
     "num_stages,microbatches",
     [pytest.param(K, M, marks=fast_if((K, M) == (2, 2))) for K in (1, 2, 3, 4) for M in (1, 2, 4)],
 )
-@pytest.mark.parametrize("method", ["gpipe", "1f1b", "2bw"])
+@pytest.mark.parametrize("method", ["gpipe", "1f1b", "zb", "2bw"])
 def test_mlp_matches_reference(method, num_stages, microbatches):
     check("mlp", num_stages, method, microbatches)
+
+
+def interleaved_layouts():
+    """Interleaved 1F1B's layouts of K = 2 device groups: one device, a device per group,
+    2 replicas per group."""
+    devices = jax.devices()
+    return {
+        "one device": dict(devices=devices[:1]),
+        "a device per group": dict(devices=devices[:2], placement="one_per_device"),
+        "2 replicas per group": dict(devices=devices[:4], data_parallel=2),
+    }
+
+
+@pytest.mark.parametrize(
+    "model,virtual_stages,microbatches",
+    [
+        ("mlp", 2, 2),
+        pytest.param("mlp", 2, 4, marks=SLOW),
+        pytest.param("mlp", 3, 4, marks=SLOW),
+        pytest.param("cnn", 2, 2, marks=SLOW),
+    ],
+)
+def test_interleaved_1f1b_matches_gpipe_on_its_chunks(model, virtual_stages, microbatches):
+    """K = 2 groups of V chunks: GPipe's numbers on the K*V chunks (BatchNorm per
+    microbatch too), on every layout; with a control that the comparison can fail."""
+    chunks = 2 * virtual_stages
+    for name, layout in interleaved_layouts().items():
+        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+        options = dict(microbatches=microbatches, optimizer=tx)
+        ref = reference(model, chunks, method="gpipe", **options)
+        pipe, state, history = run_pipeline(
+            model, chunks, method="1f1b", virtual_stages=virtual_stages, **options, **layout
+        )
+        assert [pipe.placement.groups[j] for j in range(chunks)] == [
+            pipe.placement.groups[j % 2] for j in range(chunks)
+        ]
+        try:
+            assert_matches_reference(state, history, ref)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+        with pytest.raises(AssertionError):
+            assert_matches_reference(state, history, reference(model, chunks, "2bw", **options))
 
 
 @pytest.mark.parametrize(
@@ -151,6 +194,7 @@ def test_one_microbatch_is_staged_backprop_bit_for_bit():
         pytest.param("cnn", "gpipe", 2, dict(method="gpipe", microbatches=4), marks=SLOW),
         pytest.param("cnn", "1f1b", 4, dict(method="bp"), marks=SLOW),
         ("mlp", "2bw", 2, dict(method="gpipe", microbatches=2)),
+        ("mlp", "zb", 2, dict(method="2bw", microbatches=2)),
         pytest.param("mlp", "gpipe", 2, dict(method="2bw", microbatches=2), marks=SLOW),
         pytest.param("mlp", "1f1b", 2, dict(method="2bw", microbatches=2), marks=SLOW),
         ("mlp", "pipedream", 1, dict(method="fdg")),
@@ -205,6 +249,25 @@ def test_1f1b_keeps_at_most_K_minus_k_records_and_gpipe_M(num_stages, microbatch
         assert held == [0] * num_stages
         expected = [min(bound(k), microbatches) for k in range(num_stages - 1)]
         assert most[:-1] == expected, (method, most)
+
+
+def test_zero_bubble_splits_each_backward_and_keeps_at_most_K_records():
+    """B (backward_input) and W (backward_weights) are separate calls, every W after its
+    B, and no stage holds more than K records (a record lives from its forward to its W)."""
+    K, M = 3, 4
+    calls = _calls_per_stage("zb", K, M)
+    held, most = [0] * K, [0] * K
+    for k, name in calls:
+        held[k] += {"forward": 1, "loss_input": 1, "backward_sum": -1, "backward_weights": -1}.get(
+            name, 0
+        )
+        most[k] = max(most[k], held[k])
+    assert held == [0] * K and max(most) <= K
+    for k in (1, 2):
+        names = [name for j, name in calls if j == k]
+        first = "backward_input" if k == 1 else "loss_input"
+        assert names.count(first) == names.count("backward_weights") == M
+        assert "backward_sum" not in names and "loss_sum" not in names
 
 
 def test_1f1b_alternates_after_its_warm_up():
@@ -270,21 +333,28 @@ def _same(a, b):
 def test_2bw_is_the_one_step_delay_transform_shifted_by_one_batch():
     """W^{t+1} = U(W^t, g(b_t; W^{t-1})) is what `dgrad.optim.delay(U, 1)` does to
     gradients taken at the current weights, one step later: its weights after T+1 steps
-    on b_0..b_T are 2BW's after T steps on b_0..b_{T-1}."""
+    on b_0..b_T are 2BW's W^T. With no flush, after T steps the last stage holds W^T and
+    every other stage, whose backwards of b_{T-1} are still to come, W^{T-1}."""
     data = batches("mlp", 7)
     _, state, _ = run_pipeline(
         "mlp", 3, data=data[:-1], method="2bw", microbatches=2, devices=jax.devices()[:3]
     )
-    _, delayed, _ = run_pipeline(
-        "mlp",
-        3,
-        data=data,
-        method="bp",
-        fused=True,
-        devices=jax.devices()[:1],
-        optimizer=lambda k: optim.delay(optimizer(k), 1),
-    )
-    assert_close(params_of(state), params_of(delayed))
+
+    def delayed(steps):
+        return run_pipeline(
+            "mlp",
+            3,
+            data=data[:steps],
+            method="bp",
+            fused=True,
+            devices=jax.devices()[:1],
+            optimizer=lambda k: optim.delay(optimizer(k), 1),
+        )[1]
+
+    ahead, behind = params_of(delayed(7)), params_of(delayed(6))
+    assert_close(params_of(state), [*behind[:2], ahead[2]])
+    with pytest.raises(AssertionError):
+        assert_close(params_of(state)[:2], ahead[:2])
 
 
 def test_a_batch_that_does_not_cut_into_microbatches_is_refused():
