@@ -262,6 +262,7 @@ def build_pipeline(
         accumulate=accumulate,
         probe_every=None if baseline else config.probe_every,
         microbatches=None if baseline else config.microbatches,
+        virtual_stages=1 if baseline else config.virtual_stages,
         predict=None if baseline else config.predict,
         predict_lr=None if baseline else config.predict_lr,
         devices=devices,

@@ -30,6 +30,7 @@ from ml_collections import config_dict
 
 from dgrad.data import DATASETS, is_text
 from dgrad.options import PLACEMENTS, Options
+from dgrad.schedule import check_virtual_stages
 
 MODELS = ("cifar_resnet", "wide_resnet", "mlp", "cnn1d", "gpt")
 OPTIMIZERS = ("sgd", "adamw", "muon", "async_nesterov")
@@ -197,6 +198,7 @@ FIELDS = (
     _option("data_parallel", resumable=True),
     _option("accumulate"),
     _option("microbatches", kind=int),
+    _option("virtual_stages"),
     _option("probe_every", kind=int),
     _option("predict", kind=str),
     _option("predict_lr", kind=float),
@@ -472,3 +474,9 @@ def check(config: ml_collections.ConfigDict) -> None:
     parts = values["microbatches"] or 1
     if values["batch_size"] % parts:
         _fail("batch_size", values["batch_size"], f"use a multiple of microbatches={parts}")
+    chunks = values["virtual_stages"]
+    if chunks > 1:
+        try:
+            check_virtual_stages(values["num_stages"] * chunks, chunks, parts)
+        except ValueError as error:
+            raise ValueError(f"config: {error}") from None

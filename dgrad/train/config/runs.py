@@ -25,7 +25,7 @@ class Run:
     label: str  # directory name under the workdir
     title: str  # for people
     method: str
-    num_stages: int
+    num_stages: int  # the model's stages: K, or K*V chunks when interleaved
     fused: bool
 
 
@@ -46,12 +46,14 @@ def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
     >>> runs_of(config)[-1]
     Run(label='bp_fused', title='BP (fused)', method='bp', num_stages=2, fused=True)
     """
-    k, m = config.num_stages, config.microbatches
+    k, m, v = config.num_stages, config.microbatches, config.virtual_stages
     label, title = f"{config.method}_k{k}", f"{method_title(config.method)} K={k}"
+    if v > 1:
+        label, title = f"{label}_v{v}", f"{title} V={v}"
     if m not in (None, 1):
         label, title = f"{label}_m{m}", f"{title} M={m}"
-    runs = [Run(label, title, config.method, k, False)]
+    runs = [Run(label, title, config.method, k * v, False)]
     if config.baseline == "bp":
-        cut = k if config.optimizer.clip_norm > 0 else 1
+        cut = k * v if config.optimizer.clip_norm > 0 else 1
         runs.append(Run(BASELINE_LABEL, "BP (fused)", "bp", cut, True))
     return runs
