@@ -94,7 +94,7 @@ def assert_resumes_exactly(tmp_path, monkeypatch, config, run_and_title, stop_at
     again = train(config, tmp_path / "cut", log=lines.append)
     assert lines == [f"{tmp_path / 'cut'} finished earlier: nothing left to train."]
     last = records(tmp_path / "cut", run)[-1]
-    clock = {k: v for k, v in again[title].items() if k in ("seconds", "tokens_per_second")}
+    clock = {k: v for k, v in again[title].items() if k in metrics.CLOCK}
     assert again[title] == last | clock and "seconds" in clock
     dataset = build.load_dataset(config)
     stages = build.build_stages(config, config.num_stages, dataset)
@@ -271,3 +271,27 @@ def test_a_run_whose_checkpoints_all_fail_to_restore_is_refused_and_left_as_it_w
     assert "; step 10: its meta: JSONDecodeError" in message and "\n" not in message
     assert not [line for line in lines if "restore" in line]
     assert snapshot(workdir / run) == before
+
+
+def test_every_record_says_its_pace_and_where_the_epoch_s_time_went(tmp_path):
+    """Train records: seconds per step and samples per second between records, the time
+    spent evaluating and saving left out; epoch records: their seconds split into
+    training, evaluation and checkpoints."""
+    config = small_config()
+    train(config, tmp_path, log=quiet)
+    written = metrics.read(tmp_path / "fdg_k2" / "metrics.jsonl")
+    steps = [r for r in written if r["kind"] == "train"]
+    assert [r["step"] for r in steps] == [3, 6, 8, 9, 12, 15, 16]
+    for record in steps:
+        assert record["step_seconds"] > 0 and "tokens_per_second" not in record
+        assert record["samples_per_second"] == pytest.approx(
+            config.batch_size / record["step_seconds"]
+        )
+    epochs = [r for r in written if r["kind"] == "epoch"]
+    for record in epochs:
+        parts = ("train_seconds", "eval_seconds", "checkpoint_seconds")
+        assert all(record[part] >= 0 for part in parts) and record["eval_seconds"] > 0
+        assert sum(record[part] for part in parts) == pytest.approx(record["seconds"])
+    first, second = epochs
+    assert first["checkpoint_seconds"] > 0  # the save at step 5
+    assert second["checkpoint_seconds"] > 0  # the epoch end's save at 8, and 10 and 15

@@ -33,10 +33,7 @@ def small_config(**overrides):
 
 def records(workdir, run):
     """A run's records without what the clock measured."""
-    return [
-        {k: v for k, v in r.items() if k not in ("seconds", "tokens_per_second")}
-        for r in metrics.read(workdir / run / "metrics.jsonl")
-    ]
+    return [metrics.without_clock(r) for r in metrics.read(workdir / run / "metrics.jsonl")]
 
 
 def stop_at_call(monkeypatch, call):

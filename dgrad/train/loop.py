@@ -258,6 +258,51 @@ def due_after(
     return Due(log, epoch_end, save, stop)
 
 
+class Pace:
+    """The pace of the steps between two train records: seconds per step and `unit`s per
+    second (a step being `per_step` of them), without the time paused in between
+    (evaluating, saving). Read from the host's clock when a record is due, so that the
+    loop never waits for a device to time it.
+
+    >>> pace = Pace(start=0, per_step=32)
+    >>> pace.begin -= 1.0  # as if the 4 steps to come took a second in all
+    >>> pace.pause(0.5)  # half of which went to an evaluation
+    >>> {name: round(value, 1) for name, value in pace.take(4).items()}
+    {'step_seconds': 0.1, 'samples_per_second': 256.0}
+    """
+
+    def __init__(self, start: int, per_step: int, unit: str = "sample"):
+        self.step, self.per_step, self.unit = start, per_step, unit
+        self.begin, self.paused = time.perf_counter(), 0.0
+
+    def pause(self, seconds: float) -> None:
+        """Leaves `seconds` (spent on something other than steps) out of the pace.
+
+        >>> pace = Pace(start=0, per_step=1)
+        >>> pace.pause(2.0)
+        >>> pace.paused
+        2.0
+        """
+        self.paused += seconds
+
+    def take(self, step: int) -> dict[str, float]:
+        """The pace since the last call (or the start) up to `step` steps done; {} if no
+        step was done since.
+
+        >>> pace = Pace(start=8, per_step=64, unit="token")
+        >>> pace.take(8)  # no step since the start
+        {}
+        >>> sorted(pace.take(12))
+        ['step_seconds', 'tokens_per_second']
+        """
+        now, steps = time.perf_counter(), step - self.step
+        if steps <= 0:
+            return {}
+        seconds = max(now - self.begin - self.paused, 1e-9) / steps
+        self.step, self.begin, self.paused = step, now, 0.0
+        return {"step_seconds": seconds, f"{self.unit}s_per_second": self.per_step / seconds}
+
+
 class Behind:
     """The metrics of the last step, read (shared between processes, tallied, probes
     written) only once the next step is dispatched, so that the host never waits for the
@@ -275,8 +320,8 @@ class Behind:
     [{'kind': 'train', 'step': 1, 'loss': 2.0}]
     """
 
-    def __init__(self, tally: Tally, writer):
-        self.tally, self.writer = tally, writer
+    def __init__(self, tally: Tally, writer, pace: Pace | None = None):
+        self.tally, self.writer, self.pace = tally, writer, pace
         self.pending, self.log_at = None, None
 
     def hold(self, step_metrics: dict[str, Any], log_at: int | None = None) -> None:
@@ -309,7 +354,8 @@ class Behind:
         return loss
 
     def write_interval(self, step: int) -> None:
-        """Writes the mean train metrics since the last record, as the record of `step`.
+        """Writes the mean train metrics since the last record, as the record of `step`,
+        with the steps' pace if a `Pace` is given.
 
         >>> class Records(list):
         ...     write = list.append
@@ -319,10 +365,17 @@ class Behind:
         >>> behind.write_interval(5)
         >>> behind.writer
         [{'kind': 'train', 'step': 5, 'loss': 1.0}]
+        >>> behind = Behind(Tally(), Records(), Pace(start=0, per_step=8))
+        >>> behind.hold({"loss": 1.0, "batch": 0})
+        >>> _ = behind.read()
+        >>> behind.write_interval(1)
+        >>> sorted(behind.writer[0])
+        ['kind', 'loss', 'samples_per_second', 'step', 'step_seconds']
         """
         interval = self.tally.take_interval()
         if interval and self.writer is not None:
-            self.writer.write({"kind": "train", "step": step, **interval})
+            pace = self.pace.take(step) if self.pace is not None else {}
+            self.writer.write({"kind": "train", "step": step, **interval, **pace})
 
 
 def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
@@ -384,24 +437,34 @@ def _refuse_other_runs(ctx: RunContext, config, meta: dict[str, Any]) -> None:
         )
 
 
-def _epoch_record(ctx, config, state, test, tally, epoch_start, watchdog) -> dict[str, Any]:
+def _epoch_record(
+    ctx, config, state, test, tally, epoch_start, saving_seconds, watchdog
+) -> dict[str, Any]:
     """The record of the epoch that ends at `state.step`: its train tally, the evaluation
-    of `test`, the time since `epoch_start`, and for text the metrics in tokens and bytes."""
+    of `test`, the time since `epoch_start` (its `seconds`) and what of it went to
+    evaluating, to saving (`saving_seconds`) and to training, and for text the metrics
+    in tokens and bytes."""
     ctx.pipe.check_finite(state)
+    evaluated = time.perf_counter()
+    results = evaluate(
+        ctx.pipe,
+        state,
+        test,
+        ctx.dataset.eval_transform,
+        config.eval_batch_size,
+        on_batch=watchdog.beat,
+    )
+    now = time.perf_counter()
     record = {
         "kind": "epoch",
         "step": state.step,
         "epoch": state.step // ctx.steps_per_epoch,
         **tally.take_epoch(),
-        **evaluate(
-            ctx.pipe,
-            state,
-            test,
-            ctx.dataset.eval_transform,
-            config.eval_batch_size,
-            on_batch=watchdog.beat,
-        ),
-        "seconds": time.perf_counter() - epoch_start,
+        **results,
+        "seconds": now - epoch_start,
+        "train_seconds": evaluated - epoch_start - saving_seconds,
+        "eval_seconds": now - evaluated,
+        "checkpoint_seconds": saving_seconds,
     }
     tokens = ctx.dataset.tokens_per_example
     if tokens:
@@ -410,10 +473,11 @@ def _epoch_record(ctx, config, state, test, tally, epoch_start, watchdog) -> dic
     return record
 
 
-def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> None:
+def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> float:
     """Checkpoints `state` with what a resume needs beside it: the config, the epoch's
-    tally so far and where the data stream stands."""
+    tally so far and where the data stream stands; returns the seconds it took."""
     epoch, position = divmod(state.step, ctx.steps_per_epoch)
+    start = time.perf_counter()
     with watchdog.saving():
         checkpoints.save(
             state,
@@ -424,6 +488,7 @@ def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> None:
                 "total_steps": total,
             },
         )
+    return time.perf_counter() - start
 
 
 def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, Any]:
@@ -494,8 +559,9 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
             unit="token" if tokens else "sample",
         )
         vote = StopVote(ctx.run.label)  # (`log_every_steps` bounds the wait for a stop)
-        last_loss, epoch_start = None, time.perf_counter()
-        behind = Behind(tally, writer)
+        last_loss, epoch_start, saving = None, time.perf_counter(), 0.0
+        pace = Pace(state.step, config.batch_size * (tokens or 1), "token" if tokens else "sample")
+        behind = Behind(tally, writer, pace)
         with progress:
             for batch in stream.iterate(state.step, total):
                 injected_stall(state.step)
@@ -518,13 +584,18 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     continue
                 behind.read()  # evaluating and saving wait for this step anyway
                 if due.evaluate:
-                    record = _epoch_record(ctx, config, state, test, tally, epoch_start, watchdog)
+                    record = _epoch_record(
+                        ctx, config, state, test, tally, epoch_start, saving, watchdog
+                    )
+                    pace.pause(record["eval_seconds"])
                     if writer is not None:
                         writer.write(record)
                     progress.write(epoch_line(record), ctx.log)
-                    epoch_start = time.perf_counter()
+                    epoch_start, saving = time.perf_counter(), 0.0
                 if due.save or due.stop:
-                    _save(checkpoints, state, config, tally, total, ctx, watchdog)
+                    seconds = _save(checkpoints, state, config, tally, total, ctx, watchdog)
+                    saving += seconds  # (an epoch's end saves after its record: the next's)
+                    pace.pause(seconds)
                 if due.stop:
                     if writer is not None:
                         writer.close()

@@ -2,7 +2,10 @@
 
 Every record is one JSON object per line with a `kind` ("train" for step
 intervals, "epoch" for end-of-epoch evaluation, "probe" for a stage's staleness
-probe) and the `step` it describes.
+probe) and the `step` it describes. Train records carry the interval's pace
+(`step_seconds`, and `samples_per_second` or, for text, `tokens_per_second`),
+epoch records their `seconds` split into `train_seconds`, `eval_seconds` and
+`checkpoint_seconds`.
 A resumed run first drops the records past its checkpoint, so no step is
 written twice.
 
@@ -42,6 +45,26 @@ def read(path: str | os.PathLike, kind: str | None = None) -> list[dict[str, Any
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
     return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+CLOCK = (  # what the clock measured: entries that differ between two runs of the same numbers
+    "seconds",
+    "train_seconds",
+    "eval_seconds",
+    "checkpoint_seconds",
+    "step_seconds",
+    "samples_per_second",
+    "tokens_per_second",
+)
+
+
+def without_clock(record: Mapping[str, Any]) -> dict[str, Any]:
+    """`record` without what the clock measured (`CLOCK`): what a rerun reproduces.
+
+    >>> without_clock({"kind": "train", "step": 3, "loss": 1.5, "step_seconds": 0.2})
+    {'kind': 'train', 'step': 3, 'loss': 1.5}
+    """
+    return {k: v for k, v in record.items() if k not in CLOCK}
 
 
 CORPUS = "corpus_"  # the prefix of a record's corpus fingerprint entries
