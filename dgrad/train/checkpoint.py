@@ -253,12 +253,12 @@ class Checkpointer:
         if meta is not None and check is not None:
             check(meta)  # (every process reads the same file: all refuse alike)
         if failure is None:
+            _ignore_reads_left_behind()
             try:
                 target = self._target(pipe, meta)
                 restored = self._read_state(step, target)
             except Exception as error:  # damaged arrays, or a state of another structure
                 failure = _one_line(error)
-                _ignore_reads_left_behind()
         failure = _first_failure(failure)
         if failure is not None:
             raise Unrestorable(step, self.directory, failure)
@@ -357,8 +357,9 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 
 def _ignore_reads_left_behind() -> None:
     """Keeps quiet the reads that a failed restore leaves in flight: orbax closes its event
-    loop at the first failure, and each read that ends later raises `RuntimeError('Event
-    loop is closed')` in tensorstore's thread, which Python prints as a traceback.
+    loop at the first failure, and each read that ends later (even before the failure
+    reaches `restore`) raises `RuntimeError('Event loop is closed')` in tensorstore's
+    thread, which Python prints as a traceback. Only that error is dropped.
 
     >>> _ignore_reads_left_behind()
     >>> sys.unraisablehook.__name__
