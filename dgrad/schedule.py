@@ -23,8 +23,11 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 |        | backward, one update        |                  |               |                  |
 | 1f1b   | as gpipe, one forward and   | b_t              | b_t           | 0                |
 |        | one backward in turn        |                  |               |                  |
+| zb     | as 1f1b, each backward cut  | b_t              | b_t           | 0                |
+|        | into B and a deferred W     |                  |               |                  |
 | pipedream | as ddg (weight stashing) | b_t              | b_{t-(K-1-k)} | K-1-k            |
-| 2bw    | as gpipe at the weights of  | b_t              | b_t           | 1                |
+| 2bw    | 1f1b across the steps (no   | b_t              | b_{t-1}; the  | 1                |
+|        | flush), at the weights of   |                  | last: b_t     |                  |
 |        | one version before          |                  |               |                  |
 
 - DDG: the cotangent stage k uses at t was made by stage k+1 at t-1; the last
@@ -51,13 +54,25 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
 - GPipe and 1F1B-flush split b_t into M equal microbatches (rows m*B/M to
   (m+1)*B/M), sum each stage's gradients over them and update once, with their
   mean, when the last backward is done (the flush): the same numbers, in a
-  different order. GPipe forwards all M, then back-propagates them in reverse;
+  different order. GPipe forwards all M, then back-propagates them in the order
+  the last stage's loss calls send their cotangents (first to last: in reverse,
+  the stage before would wait for the last loss before its first backward);
   1F1B does K-1-k forwards, then one forward and one backward in turn, so
   stage k keeps at most K-k microbatches' records at once instead of M.
+- Interleaved 1F1B (`virtual_stages=V`): the model is cut into K*V chunks,
+  chunk j on device group j mod K, each device running Megatron's order over
+  its V chunks (`device_work`); GPipe's numbers, a bubble about V times shorter.
+- Zero-bubble ZB-H1 (`zb`, Qi et al. 2024): 1F1B whose backwards are two calls,
+  B (the input cotangent) and W (the weight gradient); stage k runs its W's k
+  behind its B's, in what 1F1B leaves idle, holding at most K records. GPipe's
+  numbers.
 - PipeDream (asynchronous 1F1B with weight stashing) gives every forward and
   update the weight versions of DDG with weights=stash: the same timetable.
 - PipeDream-2BW: W^{t+1} = U(W^t, g_t), g_t the gradient of b_t (over its M
   microbatches) at W^{t-1}, on every stage; a stage keeps two weight versions.
+  There is no flush: stage k's forwards run min(K-1-k, M) microbatches ahead of
+  its backwards across steps (`lag`), so it applies b_t's gradient in step t+1
+  (the last stage in step t) and carries b_t's partial gradient sum over.
 - Weight staleness counts the updates between a batch's forward and the update
   that applies its gradient, which is what a single-device staleness
   simulation must use.
@@ -520,8 +535,8 @@ class Schedule:
         ['Forward', 'Loss', 'Backward']
         >>> Schedule("ddg", 2).work(1)[0]  # stage 0: forward b_1, then b_0's delayed update
         BackwardForward(stage=0, backward=0, forward=1, update_first=False)
-        >>> Schedule("gpipe", 2, microbatches=2).work(0)[-2:]
-        (Backward(stage=0, unit=(0, 0), apply=False), Apply(stage=0, count=2, keep_previous=False))
+        >>> Schedule("gpipe", 2, microbatches=2).work(0)[-2:]  # both stages' flush comes last
+        (Apply(stage=1, count=2, keep_previous=False), Apply(stage=0, count=2, keep_previous=False))
         """
         if self.fused:
             return (Fused(t),)
@@ -569,7 +584,7 @@ class Schedule:
             forwards = [Forward(stage, u) for u in units]
             backwards = [Backward(stage, u, apply=False) for u in units]
             if self.method == "gpipe":
-                work = [*forwards, *reversed(backwards)]
+                work = [*forwards, *backwards]
             else:  # 1F1B: K-1-k forwards to fill, then one forward and one backward in turn
                 work = _one_forward_one_backward(forwards, backwards, self.last - stage)
         return [*work, Apply(stage, M)]

@@ -62,8 +62,8 @@ def test_timeline_records_each_microbatch_in_the_order_the_stages_ran_them(metho
     stage_0 = [(e.name, e.unit) for e in timeline.events if e.stage == 0 and e.step == 1]
     forwards = [("forward", (1, m)) for m in range(4)]
     backwards = [("backward_sum", (1, m)) for m in range(4)]
-    if method == "gpipe":  # every forward, then the backwards last microbatch first
-        assert stage_0 == [*forwards, *reversed(backwards), ("apply_sum", None)]
+    if method == "gpipe":  # every forward, then the backwards in the order the losses ran
+        assert stage_0 == [*forwards, *backwards, ("apply_sum", None)]
     else:  # 1F1B on stage 0 of 2: one forward to fill, then one forward and one backward
         order = [forwards[0], forwards[1], backwards[0], forwards[2], backwards[1], forwards[3]]
         assert stage_0 == [*order, *backwards[2:], ("apply_sum", None)]

@@ -1,0 +1,188 @@
+"""A timing model of the timetables: predicted step time and bubble from each call's cost.
+
+Each device group runs its calls in the order the engine dispatches them; a call
+starts once its device is free, the host has dispatched it, and the messages it
+needs (an activation from the stage before, a cotangent from the stage after)
+exist, moved in `move` seconds where they cross devices. `simulate` plays a
+`dgrad.schedule.Schedule` for some steps this way and reports the steady state:
+seconds per step, and each device's idle share. With the papers' unit costs (a
+forward 1, a backward 2, zero-bubble's B and W 1 each, nothing else) it gives a
+timetable's ideal bubble; fed costs measured on a device (`costs_of`, from a
+`dgrad.timeline.Timeline`) it predicts any K, M and V on that device.
+
+>>> from dgrad.schedule import Schedule
+>>> gpipe = simulate(Schedule("gpipe", 4, microbatches=8))
+>>> round(gpipe.idle[0], 4), round(3 / (8 + 3), 4)  # (K-1)/(M+K-1)
+(0.2727, 0.2727)
+>>> zb = simulate(Schedule("zb", 4, microbatches=8))
+>>> zb.step_seconds < simulate(Schedule("1f1b", 4, microbatches=8)).step_seconds
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable, Mapping
+
+from dgrad.schedule import (
+    Apply,
+    Backward,
+    BackwardForward,
+    Forward,
+    Fused,
+    InputGradient,
+    LocalLoss,
+    Loss,
+    LossInput,
+    Schedule,
+    WeightGradient,
+    Work,
+    _needs,
+    _sends,
+)
+
+Costs = Mapping[tuple[int, str], float] | Callable[[int, str], float]
+
+# The papers' unit costs: a forward 1, a whole backward 2 (B 1 and W 1).
+UNIT_COSTS = {
+    "forward": 1.0,
+    "backward_sum": 2.0,
+    "backward_update": 2.0,
+    "backward_input": 1.0,
+    "backward_weights": 1.0,
+    "loss_step": 3.0,
+    "loss_sum": 3.0,
+    "loss_input": 2.0,
+    "step": 3.0,
+    "aux_step": 3.0,
+    "apply_sum": 0.0,
+}
+
+
+def call_name(call: Work) -> str:
+    """The stage function the engine runs for a timetable call (`dgrad.stage.Calls`).
+
+    >>> from dgrad.schedule import Schedule
+    >>> [call_name(c) for c in Schedule("zb", 2, microbatches=1).work(0)]
+    ['forward', 'loss_input', 'backward_sum', 'backward_weights', 'apply_sum', 'apply_sum']
+    """
+    if isinstance(call, Backward):
+        return "backward_update" if call.apply else "backward_sum"
+    if isinstance(call, Loss):
+        return "loss_step" if call.apply else "loss_sum"
+    return {
+        Forward: "forward",
+        InputGradient: "backward_input",
+        WeightGradient: "backward_weights",
+        LossInput: "loss_input",
+        BackwardForward: "step",
+        LocalLoss: "aux_step",
+        Apply: "apply_sum",
+        Fused: "fused_step",
+    }[type(call)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What `simulate` predicts for the steady state.
+
+    Attributes:
+      step_seconds: seconds per step.
+      idle: each device group's idle share of a step (the bubble, with the host's waits).
+      busy_seconds: each device group's seconds of work per step.
+
+    >>> from dgrad.schedule import Schedule
+    >>> simulate(Schedule("gpipe", 2, microbatches=2)).busy_seconds  # 2 x (1 + 2) each
+    (6.0, 6.0)
+    """
+
+    step_seconds: float
+    idle: tuple[float, ...]
+    busy_seconds: tuple[float, ...]
+
+
+def _cost_of(costs: Costs) -> Callable[[int, str], float]:
+    if callable(costs):
+        return costs
+    by_name = {name: value for (stage, name), value in costs.items() if stage is None}
+    return lambda stage, name: costs.get((stage, name), by_name.get(name, 0.0))
+
+
+def unit_costs(stage: int, name: str) -> float:
+    """The papers' cost of `name` (any stage): forward 1, backward 2, B and W 1 each.
+
+    >>> unit_costs(0, "forward"), unit_costs(3, "loss_sum"), unit_costs(1, "apply_sum")
+    (1.0, 3.0, 0.0)
+    """
+    return UNIT_COSTS.get(name, 0.0)
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Costs = unit_costs,
+    *,
+    dispatch: float = 0.0,
+    move: float = 0.0,
+    steps: int | None = None,
+) -> Prediction:
+    """Plays `steps` steps of `schedule` with each call costing `costs[(stage, name)]`
+    seconds (a key `(None, name)` stands for every stage; missing: 0), the host spending
+    `dispatch` seconds on each call it dispatches and each message that crosses devices
+    taking `move` seconds; returns the second half's `Prediction` (`steps` defaults to
+    four times as many as a batch spends in the pipeline, so that the fill is over).
+
+    >>> from dgrad.schedule import Schedule
+    >>> one = simulate(Schedule("1f1b", 4, microbatches=8))
+    >>> two = simulate(Schedule("1f1b", 8, microbatches=8, virtual_stages=2))
+    >>> round(one.idle[0], 3), round(two.idle[0], 3)  # interleaving halves the bubble's time
+    (0.273, 0.158)
+    >>> host_bound = simulate(Schedule("gpipe", 2, microbatches=4), dispatch=5.0)
+    >>> host_bound.step_seconds  # 14 calls a step, 5 s each on the host
+    70.0
+    """
+    cost = _cost_of(costs)
+    steps = steps or max(8, 4 * (schedule.longest_wait() + 1))
+    devices = schedule.num_devices if not schedule.fused else 1
+    free = [0.0] * devices
+    busy = [0.0] * devices
+    ready: dict[tuple, tuple[float, int]] = {}  # message -> (when it was sent, from device)
+    host, ends = 0.0, []
+    for t in range(steps):
+        end = 0.0
+        for call in schedule.work(t):
+            stage = getattr(call, "stage", 0)
+            device = 0 if schedule.fused else schedule.device_of(stage)
+            host += dispatch
+            start = max(host, free[device])
+            for message in _needs(call):
+                if message in ready:
+                    sent, source = ready.pop(message)
+                    start = max(start, sent + (move if source != device else 0.0))
+            seconds = cost(stage, call_name(call))
+            free[device] = start + seconds
+            end = max(end, free[device])
+            if t >= steps // 2:
+                busy[device] += seconds
+            for message in _sends(schedule, call):
+                ready[message] = (free[device], device)
+        ends.append(max(end, host))
+    half = steps // 2
+    step = (ends[-1] - ends[half - 1]) / (steps - half)
+    per_step = tuple(b / (steps - half) for b in busy)
+    idle = tuple(1 - b / step if step else 0.0 for b in per_step)
+    return Prediction(step, idle, per_step)
+
+
+def costs_of(events) -> dict[tuple[int, str], float]:
+    """The median seconds of each (stage, function) in `events` (a `Timeline`'s).
+
+    >>> from dgrad.timeline import Event
+    >>> events = [Event(0, 1, "forward", s, 0.0, d) for s, d in enumerate([0.2, 0.1, 0.3])]
+    >>> costs_of(events)
+    {(1, 'forward'): 0.2}
+    """
+    seconds: dict[tuple[int, str], list[float]] = {}
+    for event in events:
+        seconds.setdefault((event.stage, event.name), []).append(event.seconds)
+    return {key: statistics.median(values) for key, values in seconds.items()}

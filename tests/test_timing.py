@@ -1,0 +1,106 @@
+"""The timing model: the papers' ideal bubbles from unit costs, the engine's own calls
+named as it dispatches them, and costs that reach the prediction."""
+
+import jax
+import pytest
+from helpers import batches, build_pipeline
+
+from dgrad import schedule as sched
+from dgrad.schedule import Schedule
+from dgrad.timeline import Event
+from dgrad.timing import call_name, costs_of, simulate
+
+
+@pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (3, 5), (8, 32)])
+def test_gpipe_and_1f1b_have_the_papers_bubble(K, M):
+    for method in ("gpipe", "1f1b"):
+        prediction = simulate(Schedule(method, K, microbatches=M))
+        assert prediction.idle == pytest.approx([(K - 1) / (M + K - 1)] * K)
+        assert prediction.step_seconds == pytest.approx(3 * (M + K - 1))
+
+
+@pytest.mark.parametrize("K,V,M", [(2, 2, 4), (4, 2, 8), (4, 4, 8), (2, 3, 2)])
+def test_interleaving_divides_the_bubble_by_the_virtual_stages(K, V, M):
+    """Narayanan et al. 2021: chunks of 1/V the work, so a bubble of (K-1)/V chunk-steps
+    against V*M of work: idle share (K-1)/(V*M + K-1)."""
+    prediction = simulate(Schedule("1f1b", K * V, microbatches=M, virtual_stages=V))
+    assert prediction.idle == pytest.approx([(K - 1) / (V * M + K - 1)] * K)
+
+
+@pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (4, 4)])
+def test_zero_bubble_needs_less_than_1f1b_and_2bw_without_a_flush_none(K, M):
+    """ZB-H1 with F = B = W (Qi et al. 2024): a bubble of (K-1)(F+B-W) = (K-1) against
+    1F1B's 3(K-1); 2BW's steady state, with no flush, and FDG's have none."""
+    zb = simulate(Schedule("zb", K, microbatches=M))
+    assert zb.step_seconds == pytest.approx(3 * M + (K - 1))
+    assert zb.step_seconds < simulate(Schedule("1f1b", K, microbatches=M)).step_seconds
+    assert simulate(Schedule("2bw", K, microbatches=M)).idle == pytest.approx([0.0] * K)
+    assert simulate(Schedule("fdg", K)).idle == pytest.approx([0.0] * K)
+
+
+def test_the_model_sees_an_order_that_waits():
+    """A GPipe whose stages back-propagate last microbatch first wait for the last loss
+    before their first backward: the model gives it more than the ideal bubble."""
+
+    class Reversed(Schedule):
+        def stage_work(self, stage, t):
+            work = super().stage_work(stage, t)
+            if stage == self.last:
+                return work
+            M = self.microbatches
+            return work[:M] + work[M : 2 * M][::-1] + work[2 * M :]
+
+    K, M = 4, 8
+    assert simulate(Reversed("gpipe", K, microbatches=M)).idle[0] > (K - 1) / (M + K - 1) + 0.1
+
+
+def test_costs_reach_the_prediction():
+    """A stage twice as slow sets the pace; dispatch on the host and moves add up."""
+    s = Schedule("1f1b", 2, microbatches=4)
+    slow = simulate(s, {(0, "forward"): 2.0, (None, "forward"): 1.0, (None, "backward_sum"): 2.0})
+    assert slow.busy_seconds == (4 * 2.0 + 4 * 2.0, 0.0)  # stage 1's loss_sum costs nothing
+    assert simulate(s, dispatch=2.0).step_seconds == 2.0 * (4 + 4 + 1 + 4 + 1)  # host-bound
+    assert simulate(s, move=1.0).step_seconds > simulate(s).step_seconds
+
+
+def test_costs_of_takes_each_functions_median():
+    events = [
+        Event(0, k, name, 0, 0.0, d) for k, name, d in [(0, "f", 1), (0, "f", 3), (1, "f", 2)]
+    ]
+    assert costs_of(events) == {(0, "f"): 2.0, (1, "f"): 2.0}
+
+
+@pytest.mark.parametrize(
+    "method,K,options",
+    [
+        ("fdg", 3, {}),
+        ("ddg", 2, {}),
+        ("bp", 2, {}),
+        ("gpipe", 2, dict(microbatches=2)),
+        ("zb", 3, dict(microbatches=4)),
+        ("2bw", 3, dict(microbatches=2)),
+        ("1f1b", 4, dict(microbatches=2, virtual_stages=2)),
+    ],
+)
+def test_call_name_is_the_function_the_engine_runs(method, K, options):
+    pipe = build_pipeline("mlp", K, method=method, devices=jax.devices()[:1], **options)
+    seen = []
+
+    def wrap(k, name, fn):
+        def watched(*args):
+            seen.append((k, name))
+            return fn(*args)
+
+        return watched
+
+    view = pipe.observed(wrap)
+    data = batches("mlp", 4)
+    state = view.init(data[0])
+    for t, batch in enumerate(data):
+        seen.clear()
+        state, _ = view.step(state, batch)
+        expected = [(getattr(c, "stage", 0), call_name(c)) for c in pipe.schedule.work(t)]
+        assert seen == expected, (t, seen, expected)
+    assert any(isinstance(c, sched.WeightGradient) for c in pipe.schedule.work(1)) == (
+        method == "zb"
+    )
