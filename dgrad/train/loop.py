@@ -265,10 +265,10 @@ class Pace:
     loop never waits for a device to time it.
 
     >>> pace = Pace(start=0, per_step=32)
-    >>> pace.begin -= 1.0  # as if the 4 steps to come took a second in all
-    >>> pace.pause(0.5)  # half of which went to an evaluation
-    >>> {name: round(value, 1) for name, value in pace.take(4).items()}
-    {'step_seconds': 0.1, 'samples_per_second': 256.0}
+    >>> pace.begin -= 40.0  # as if the 4 steps to come took 40 s in all
+    >>> pace.pause(20.0)  # half of which went to an evaluation
+    >>> {name: round(value) for name, value in pace.take(4).items()}
+    {'step_seconds': 5, 'samples_per_second': 6}
     """
 
     def __init__(self, start: int, per_step: int, unit: str = "sample"):
