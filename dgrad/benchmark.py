@@ -129,6 +129,29 @@ def plain_case(
     return Case(name, 1, 1, step, state)
 
 
+def dispatched_per_step(pipe, step: int = 100) -> tuple[int, int]:
+    """The stage calls and the moves between device groups the host dispatches in `step`
+    (the batch's own placement and cut not counted).
+
+    >>> import jax, optax
+    >>> from dgrad import Pipeline, models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="gpipe", microbatches=2,
+    ...                 optimizer=optax.sgd(0.1), devices=jax.devices()[:2])
+    >>> dispatched_per_step(pipe)  # 2 forwards, 2 backwards, 2 losses, 2 updates; 2 + 2 moves
+    (8, 4)
+    """
+    from dgrad.schedule import _sends
+
+    calls = pipe.schedule.work(step)
+    groups = pipe.placement.groups
+    moves = sum(
+        groups[stage] != groups[work.stage]
+        for work in calls
+        for _, stage, _ in _sends(pipe.schedule, work)
+    )
+    return len(calls), moves
+
+
 def measure(cases: Sequence[Case], batch, *, windows: int = 9, steps: int = 6) -> list[Case]:
     """Times `steps` steps of every case per window, round-robin for `windows` rounds,
     each round starting at another case; fills the cases' `rates`, `host_ms` and

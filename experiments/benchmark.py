@@ -1,5 +1,6 @@
 """Side-by-side training throughput: plain JAX, fused BP, staged BP, DDG, FDG and the
-synchronous pipelines (GPipe, 1F1B) and PipeDream-2BW, with K stages x D replicas.
+synchronous pipelines (GPipe, 1F1B, interleaved 1F1B, zero-bubble) and PipeDream-2BW,
+with K stages x D replicas.
 
 Every configuration is built and warmed up (compiled, pipeline filled) first; then
 the timed windows go round-robin over the configurations, so each round compares
@@ -13,13 +14,16 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
     python -m experiments.benchmark --policies               # FDG's memory policies too
     python -m experiments.benchmark --allocator default      # glibc's own malloc thresholds
     python -m experiments.benchmark --processes 2            # FDG K=2, a process per stage
-    python -m experiments.benchmark --model mlp --stages 2,4 --methods gpipe,1f1b,ddg,fdg,2bw
+    python -m experiments.benchmark --model mlp --stages 2,4 --methods gpipe,1f1b,zb,ddg,fdg,2bw
     python -m experiments.benchmark --model gpt --stages 1,2 --batch-size 32   # tokens/s
 
-GPipe, 1F1B and 2BW run with each of `--microbatches` (default 4, 8); their rows give
-each device's measured idle fraction beside the ideal bubble (K-1)/(M+K-1), and every
-row the records a stage holds at the busiest moment of a step (GPipe: M microbatches,
-1F1B: at most K).
+GPipe, 1F1B, ZB and 2BW run with each of `--microbatches` (default 4, 8), and 1F1B
+also interleaved with each of `--virtual-stages` (default 2; K*V chunks, where M is a
+multiple of K); every pipelined row gives each device's measured idle share beside the
+ideal bubble (the timetable played with the papers' unit costs, `dgrad.timing`), the
+step time and idle share `dgrad.timing` predicts from the measured cost of each call,
+the host's microseconds per dispatched call (stage calls and moves), and the records a
+stage holds at the busiest moment of a step (GPipe: M microbatches, 1F1B: at most K).
 
 Without an accelerator the stages run on fake CPU devices (one per stage and
 replica), which share the machine's cores; on GPUs it uses the real devices.
@@ -41,10 +45,10 @@ import platform
 import sys
 
 from dgrad.benchmark_across import GPT_SHAPE, chain_of, example_batch
+from dgrad.options import MICROBATCHED
 from dgrad.train.cli import OneLineParser
 
-METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "pipedream", "2bw")
-MICROBATCHED = ("gpipe", "1f1b", "2bw")
+METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "zb", "pipedream", "2bw")
 MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10", "gpt")
 GPT_FLAGS = tuple(name for name in GPT_SHAPE if name != "vocab_size")  # byte-level: 256
 
@@ -77,7 +81,10 @@ def parse_args(argv=None):
         "--methods", default="ddg,fdg", help=f"pipelined methods to time: {', '.join(METHODS)}"
     )
     parser.add_argument(
-        "--microbatches", default="4,8", help="M values for gpipe, 1f1b and 2bw (default 4,8)"
+        "--microbatches", default="4,8", help="M values for gpipe, 1f1b, zb and 2bw (default 4,8)"
+    )
+    parser.add_argument(
+        "--virtual-stages", default="2", help="V values for interleaved 1f1b rows (default 2)"
     )
     parser.add_argument(
         "--timeline", metavar="DIR", help="write a Gantt chart and Perfetto trace of each case"
@@ -118,6 +125,7 @@ def parse_args(argv=None):
     args.stages = numbers(args.stages, "stages") if args.stages else None
     args.data_parallel = numbers(args.data_parallel, "data-parallel")
     args.microbatches = numbers(args.microbatches, "microbatches")
+    args.virtual_stages = [v for v in numbers(args.virtual_stages, "virtual-stages") if v > 1]
     args.methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
@@ -144,13 +152,36 @@ def parse_args(argv=None):
 
 
 def _bubble(case) -> str:
-    """GPipe's and 1F1B's measured idle % per device, beside the ideal (K-1)/(M+K-1)."""
+    """A pipeline's measured idle % per device, beside the ideal (the timetable with the
+    papers' unit costs, `dgrad.timing`)."""
+    from dgrad import timing
+
     pipe = case.pipe
-    if pipe is None or pipe.method not in ("gpipe", "1f1b") or not case.device_busy:
+    if pipe is None or pipe.fused or pipe.num_stages == 1 or not case.device_busy:
         return "-"
-    k, m = pipe.num_stages, pipe.options.microbatches
     idle = " ".join(f"{100 * (1 - b):.0f}" for b in case.device_busy.values())
-    return f"{idle} [{100 * (k - 1) / (m + k - 1):.0f}]"
+    return f"{idle} [{100 * max(timing.simulate(pipe.schedule).idle):.0f}]"
+
+
+def _per_call(case) -> str:
+    """The host's µs per dispatched call, and the calls and moves of a step."""
+    from dgrad import benchmark as bench
+
+    if case.pipe is None or not getattr(case, "dispatched", None):
+        return "-"
+    calls, moves = case.dispatched
+    return f"{1e3 * bench.median(case.host_ms) / (calls + moves):.0f} [{calls}+{moves}]"
+
+
+def _predicted(case, batch_size: int) -> str:
+    """The step ms and idle % `dgrad.timing` predicts from the measured cost of each call
+    (medians of the traced window), beside the measured step ms."""
+    if case.pipe is None or not getattr(case, "call_costs", None):
+        return "- | -"
+    predicted = case.prediction
+    measured = 1e3 * batch_size / float(sorted(case.rates)[len(case.rates) // 2])
+    idle = " ".join(f"{100 * i:.0f}" for i in predicted.idle)
+    return f"{1e3 * predicted.step_seconds:.1f} / {measured:.1f} | {idle}"
 
 
 def spec_of(args) -> dict:
@@ -278,7 +309,7 @@ def main(argv=None):
     import optax
 
     import dgrad
-    from dgrad import balance, models
+    from dgrad import balance, models, timing
     from dgrad import benchmark as bench
     from dgrad.timeline import Timeline
 
@@ -325,13 +356,12 @@ def main(argv=None):
             chain.authors,
             model=args.model,
         )
-        for k in sorted({1, *ks})  # K = 1: the plain JAX floor and fused BP
+        for k in sorted({1, *ks, *(k * v for k in ks for v in args.virtual_stages)})
+        if k <= len(chain.modules)  # K = 1: the plain JAX floor and fused BP; K*V chunks
     }
     print(
         "# predicted ceiling (sum of stage costs / slowest stage): "
-        + ", ".join(
-            f"K={k}: {balance.speedup_ceiling(costs, c):.2f}x" for k, c in split.items() if k > 1
-        )
+        + ", ".join(f"K={k}: {balance.speedup_ceiling(costs, split[k]):.2f}x" for k in ks if k > 1)
     )
 
     def stages(k):  # fresh modules for every configuration
@@ -340,12 +370,12 @@ def main(argv=None):
     optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.01, momentum=0.9))
     cases = [bench.plain_case("plain JAX (no dgrad)", stages(1), optimizer, batch)]
 
-    def add(name, k, **options):
+    def add(name, k, chunks=None, **options):
         replicas = options.get("data_parallel", 1)
         groups = 1 if options.get("fused") else k
         if replicas > 1 and groups * replicas > len(devices):
             return
-        model = stages(k)
+        model = stages(chunks or k)
         if options.get("method") == "dgl":
             model = models.with_aux_heads(model, 10, batch[0][:1])
         pipe = dgrad.Pipeline(model, optimizer=optimizer, devices=devices, **options)
@@ -363,6 +393,17 @@ def main(argv=None):
                 if method in MICROBATCHED:
                     for m in args.microbatches:
                         add(f"{method} M={m}", k, method=method, microbatches=m, data_parallel=d)
+                        for v in args.virtual_stages if method == "1f1b" and k > 1 else ():
+                            if m % k == 0 and k * v <= len(chain.modules):
+                                add(
+                                    f"1f1b V={v} M={m}",
+                                    k,
+                                    chunks=k * v,
+                                    method=method,
+                                    microbatches=m,
+                                    virtual_stages=v,
+                                    data_parallel=d,
+                                )
                 else:
                     add(method, k, method=method, data_parallel=d)
     if args.policies:
@@ -386,6 +427,10 @@ def main(argv=None):
                 case.state, _ = watched.step(case.state, batch)
             timeline.close()
         case.device_busy = timeline.busy_fraction()
+        case.call_costs = timing.costs_of(timeline.events)
+        case.dispatched = bench.dispatched_per_step(case.pipe)
+        dispatch = bench.median(case.host_ms) / 1e3 / sum(case.dispatched)
+        case.prediction = timing.simulate(case.pipe.schedule, case.call_costs, dispatch=dispatch)
         if args.timeline:
             os.makedirs(args.timeline, exist_ok=True)
             stem = os.path.join(
@@ -401,7 +446,8 @@ def main(argv=None):
     baseline = next(c for c in cases if c.name == "bp fused")
     columns = (
         "| configuration | K | D | samples/s median [min-max] | x fused BP [min-max] | "
-        "host CPU ms/step | cores busy | device busy % | idle % [ideal bubble] | "
+        "host CPU ms/step | host µs per call [calls+moves] | cores busy | device busy % | "
+        "idle % [ideal bubble] | predicted / measured step ms | predicted idle % | "
         "state MiB per device | records MiB at peak |"
     )
     if args.model == "gpt":
@@ -417,9 +463,10 @@ def main(argv=None):
             f"| {case.name} | {case.num_stages} | {case.data_parallel} | "
             f"{np.median(rates):.1f} [{rates.min():.1f}-{rates.max():.1f}] | "
             f"{bench.summary(bench.ratios(case, baseline))} | "
-            f"{bench.median(case.host_ms):.2f} | {bench.median(case.cores_busy):.2f} | "
+            f"{bench.median(case.host_ms):.2f} | {_per_call(case)} | "
+            f"{bench.median(case.cores_busy):.2f} | "
             + (" ".join(f"{100 * b:.0f}" for b in case.device_busy.values()) or "-")
-            + f" | {_bubble(case)} | "
+            + f" | {_bubble(case)} | {_predicted(case, args.batch_size)} | "
             + " ".join(f"{b / 2**20:.1f}" for b in memory.values())
             + " | "
             + (" ".join(f"{b / 2**20:.1f}" for b in records.values()) or "-")
