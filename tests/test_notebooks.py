@@ -1,15 +1,12 @@
 """Every notebook runs top to bottom (nbclient) at the small size its parameters cell
-allows, and every code snippet of the README runs as written."""
+allows. (The README's snippets run in `test_docs`.)"""
 
-import re
-import sys
 import time
 
 import nbclient
 import nbformat
 import pytest
 from helpers import ROOT
-from processes import run_command
 
 NOTEBOOK_SECONDS = 1200
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -51,20 +48,3 @@ def test_notebook_runs_at_small_size(path):
         ) from None
     errors = [o for c in notebook.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
-
-
-def readme_snippets():
-    text = (ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
-def test_the_readme_has_snippets():
-    assert len(readme_snippets()) >= 2
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(readme_snippets())))
-def test_readme_snippet_runs_as_written(index, tmp_path):
-    script = tmp_path / "snippet.py"
-    script.write_text(readme_snippets()[index])
-    run_command([sys.executable, str(script)], timeout=600, cwd=ROOT)
