@@ -1,4 +1,4 @@
-"""Train a stage-split model with BP, DDG or FDG from an experiment config.
+"""Train a stage-split model with any of dgrad's methods from an experiment config.
 
     python -m experiments.train                                      # the default config
     python -m experiments.train --config experiments/configs/cifar10_resnet56.py \\

@@ -1,4 +1,5 @@
-"""Datasets for training: offline digits and MNIST-1D, synthetic data, tfds CIFAR / ImageNet.
+"""Datasets for training: offline digits, MNIST-1D and text, synthetic data, tfds CIFAR /
+ImageNet and tfds text (bytes, or a BPE of them).
 
 `load(name)` gives a `Dataset`: the train and test splits as random-access
 sources plus the transforms that turn their examples into model inputs.

@@ -1,7 +1,7 @@
 """CIFAR-10, ResNet-1202: split for K = 4 only.
 
 The authors' recipe: SGD 0.1, momentum 0.9, weight decay 5e-4, batch 128, 300 epochs,
-lr / 10 at epochs 150 and 225 (FDG also 275). Needs CIFAR prepared (see the README);
+lr / 10 at epochs 150 and 225 (FDG also 275). Needs CIFAR prepared (see docs/experiments.md);
 `:smoke` is a CPU-sized run of the same data (add --config.dataset=synthetic to try it
 without CIFAR).
 
