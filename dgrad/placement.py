@@ -44,6 +44,14 @@ from jax.sharding import PartitionSpec as P
 
 from dgrad.options import PLACEMENTS
 
+try:  # the batched copy `jax.device_put` ends in, without its per-call Python (~50 us a move)
+    from jax._src.lib import xla_client as _xc
+
+    _copy_to_devices = _xc.batched_copy_array_to_devices_with_sharding
+    _REUSE_INPUT = _xc.ArrayCopySemantics.REUSE_INPUT  # what device_put asks for by default
+except (ImportError, AttributeError):  # another jax: every move goes through jax.device_put
+    _copy_to_devices = None
+
 FAKE_DEVICES_HINT = (
     "On a CPU-only machine, ask for fake devices before JAX starts: "
     "jax.config.update('jax_num_cpu_devices', N) right after `import jax`."
@@ -224,6 +232,15 @@ class Placement:
         meshes = {g: Mesh(np.array(g), ("data",)) for g in set(self.groups)}
         self.meshes = tuple(meshes[g] for g in self.groups)
         self._process = jax.process_index()
+        # One sharding object per stage and kind: JAX caches its per-sharding facts (device
+        # lists, addressability) on the object, so a fresh one per move costs every transfer.
+        if self.data_parallel == 1:
+            single = tuple(SingleDeviceSharding(group[0]) for group in self.groups)
+            self._replicated, self._sharded = single, single
+        else:
+            self._replicated = tuple(NamedSharding(mesh, P()) for mesh in self.meshes)
+            self._sharded = tuple(NamedSharding(mesh, P("data")) for mesh in self.meshes)
+        self._routes = {}  # (src, dst) -> {source sharding: (target sharding, its devices)}
 
     def __repr__(self):
         groups = ", ".join("[" + " ".join(str(d.id) for d in g) + "]" for g in self.groups)
@@ -242,9 +259,7 @@ class Placement:
         >>> Placement(2, jax.devices()[:1]).replicated(1)  # D = 1: the stage's one device
         SingleDeviceSharding(device=CpuDevice(id=0), memory_kind=device)
         """
-        if self.data_parallel == 1:
-            return SingleDeviceSharding(self.groups[k][0])
-        return NamedSharding(self.meshes[k], P())
+        return self._replicated[k]
 
     def sharded(self, k: int) -> jax.sharding.Sharding:
         """Split along the first (batch) axis over stage k's devices.
@@ -253,9 +268,7 @@ class Placement:
         >>> Placement(2, jax.devices()[:1]).sharded(0)  # D = 1: nothing to split over
         SingleDeviceSharding(device=CpuDevice(id=0), memory_kind=device)
         """
-        if self.data_parallel == 1:
-            return SingleDeviceSharding(self.groups[k][0])
-        return NamedSharding(self.meshes[k], P("data"))
+        return self._sharded[k]
 
     def is_local(self, k: int) -> bool:
         """Whether this process holds a device of stage k.
@@ -336,6 +349,16 @@ class Placement:
         """
         if self.groups[src] == self.groups[dst]:
             return tree
+        route = self._local_route(src, dst)
+        if route is not None:
+            leaves, treedef = jax.tree.flatten(tree)
+            targets = [route.get(getattr(leaf, "sharding", None)) for leaf in leaves]
+            if None not in targets:  # every leaf placed as stage src places it: copy at once
+                shardings, devices = zip(*targets) if targets else ((), ())
+                copies = _copy_to_devices(
+                    leaves, list(devices), list(shardings), [_REUSE_INPUT] * len(leaves)
+                )
+                return treedef.unflatten(copies)
         source, target = self.groups[src], self.groups[dst]
         everything_here = all(d.process_index == self._process for d in source + target)
         every_replica_crosses = all(
@@ -348,6 +371,29 @@ class Placement:
                 _computed(leaves)
             return treedef.unflatten(jax.device_put(leaves, shardings))  # one batched transfer
         return jax.tree.map(lambda leaf: self._move_leaf(leaf, src, dst), tree)
+
+    def _local_route(self, src: int, dst: int):
+        """For a move inside this process between groups of one size: each of stage src's
+        shardings mapped to stage dst's alike, with its devices (the same shard of every
+        array on each device, so a plain copy of the shards); None for any other move."""
+        if (src, dst) not in self._routes:
+            source, target = self.groups[src], self.groups[dst]
+            here = all(d.process_index == self._process for d in source + target)
+            route = None
+            if here and _copy_to_devices is not None and len(source) == len(target):
+                kinds = (self._replicated, self._sharded)
+                try:
+                    route = {
+                        kind[src]: (
+                            kind[dst],
+                            kind[dst]._internal_device_list.addressable_device_list,
+                        )
+                        for kind in kinds
+                    }
+                except AttributeError:  # another jax: jax.device_put does the move
+                    route = None
+            self._routes[(src, dst)] = route
+        return self._routes[(src, dst)]
 
     def _target_sharding(self, leaf, dst):
         return self.sharded(dst) if _split(leaf) else self.replicated(dst)
