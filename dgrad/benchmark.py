@@ -24,9 +24,11 @@ some cases over others on CPUs.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import dataclasses
+import functools
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -150,6 +152,59 @@ def dispatched_per_step(pipe, step: int = 100) -> tuple[int, int]:
         for _, stage, _ in _sends(pipe.schedule, work)
     )
     return len(calls), moves
+
+
+def dispatch_floor(pipe, state, batch, *, repeats: int = 20) -> tuple[float, float]:
+    """The host's seconds per dispatched call at the floor, two ways: each stage call of
+    one step of `pipe` from `state`, and each of its moves between device groups as a
+    bare `jax.device_put`, repeated `repeats` times in a bare loop with the same
+    arguments; and the step's calls and moves replayed in their order, `repeats` times
+    (the same work with none of the engine's bookkeeping). The host's CPU time, as
+    `measure` counts it, divided by the calls and moves (see `dispatched_per_step`).
+
+    >>> import jax, optax
+    >>> import jax.numpy as jnp
+    >>> from dgrad import Pipeline, models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="gpipe", microbatches=2,
+    ...                 optimizer=optax.sgd(0.1), devices=jax.devices()[:2])
+    >>> batch = (jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32))
+    >>> each, in_order = dispatch_floor(pipe, pipe.init(batch), batch, repeats=2)
+    >>> 0 < each < 0.1 and 0 < in_order < 0.1
+    True
+    """
+    runs = []
+
+    def wrap(k, name, fn):
+        def recorded(*args):
+            runs.append(functools.partial(fn, *args))
+            return fn(*args)
+
+        return recorded
+
+    view = pipe.observed(wrap)
+    placement = view.placement = copy.copy(pipe.placement)
+
+    def recorded_move(tree, src, dst):
+        if pipe.placement.groups[src] != pipe.placement.groups[dst]:
+            leaves = jax.tree.leaves(tree)
+            targets = [pipe.placement._target_sharding(x, dst) for x in leaves]
+            runs.append(functools.partial(jax.device_put, leaves, targets))
+        return pipe.placement.move(tree, src, dst)
+
+    placement.move = recorded_move
+    jax.block_until_ready(view.step(state, batch)[0])
+    jax.block_until_ready([run() for run in runs])  # compiled (the watched copies) and warm
+
+    def host_seconds(sequence) -> float:  # dispatched one after another, then waited for
+        start = time.thread_time()
+        outputs = [run() for run in sequence]
+        seconds = time.thread_time() - start
+        jax.block_until_ready(outputs)
+        return seconds
+
+    each = sum(host_seconds([run] * repeats) for run in runs)
+    in_order = host_seconds(runs * repeats)
+    return each / repeats / len(runs), in_order / repeats / len(runs)
 
 
 def measure(cases: Sequence[Case], batch, *, windows: int = 9, steps: int = 6) -> list[Case]:

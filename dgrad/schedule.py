@@ -66,6 +66,13 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
   B (the input cotangent) and W (the weight gradient); stage k runs its W's k
   behind its B's, in what 1F1B leaves idle, holding at most K records. GPipe's
   numbers.
+- ZB-V and DualPipeV (Qi et al. 2024; DeepSeek-V3) put 2 chunks on each device
+  in a V (chunk j on device j for j < K, on device 2K-1-j after), so the first
+  and the last chunk share device 0. The calls they need are those above
+  (Forward, InputGradient, WeightGradient, LossInput, Apply); what they would
+  add is a `device_of` for the V and their per-device order in `device_work`
+  (DualPipeV also runs one chunk's forward and another's backward in one call,
+  to overlap their communication, which one controller over XLA does not need).
 - PipeDream (asynchronous 1F1B with weight stashing) gives every forward and
   update the weight versions of DDG with weights=stash: the same timetable.
 - PipeDream-2BW: W^{t+1} = U(W^t, g_t), g_t the gradient of b_t (over its M

@@ -170,7 +170,12 @@ def _per_call(case) -> str:
     if case.pipe is None or not getattr(case, "dispatched", None):
         return "-"
     calls, moves = case.dispatched
-    return f"{1e3 * bench.median(case.host_ms) / (calls + moves):.0f} [{calls}+{moves}]"
+    engine = 1e3 * bench.median(case.host_ms) / (calls + moves)
+    each, in_order = (1e6 * seconds for seconds in case.floor)
+    return (
+        f"{engine:.0f} / {each:.0f} = {engine / each:.2f}x / {in_order:.0f} = "
+        f"{engine / in_order:.2f}x [{calls}+{moves}]"
+    )
 
 
 def _predicted(case, batch_size: int) -> str:
@@ -430,6 +435,7 @@ def main(argv=None):
         case.call_costs = timing.costs_of(timeline.events)
         case.dispatched = bench.dispatched_per_step(case.pipe)
         dispatch = bench.median(case.host_ms) / 1e3 / sum(case.dispatched)
+        case.floor = bench.dispatch_floor(case.pipe, case.state, batch)
         case.prediction = timing.simulate(case.pipe.schedule, case.call_costs, dispatch=dispatch)
         if args.timeline:
             os.makedirs(args.timeline, exist_ok=True)
@@ -446,7 +452,8 @@ def main(argv=None):
     baseline = next(c for c in cases if c.name == "bp fused")
     columns = (
         "| configuration | K | D | samples/s median [min-max] | x fused BP [min-max] | "
-        "host CPU ms/step | host µs per call [calls+moves] | cores busy | device busy % | "
+        "host CPU ms/step | host µs per call / floor alone / floor in order [calls+moves] | "
+        "cores busy | device busy % | "
         "idle % [ideal bubble] | predicted / measured step ms | predicted idle % | "
         "state MiB per device | records MiB at peak |"
     )
