@@ -300,3 +300,62 @@ def test_a_checkpoint_set_aside_is_kept_and_out_of_the_way_of_later_saves(tmp_pa
     with Checkpointer(tmp_path) as checkpoints:  # the same step set aside twice: both kept
         assert checkpoints.set_aside(6) == str(tmp_path / "damaged" / "6-2")
     assert sorted(os.listdir(tmp_path / "damaged")) == ["6", "6-2"]
+
+
+def hold_array_writes(monkeypatch):
+    """Holds orbax's writes of array data (after their copy to host) until the returned
+    event is set, so that a test can act while a checkpoint is being written."""
+    import asyncio
+    import threading
+
+    from orbax.checkpoint._src.serialization import jax_array_handlers
+
+    released, original = threading.Event(), jax_array_handlers._async_serialize_replica_slices
+
+    async def held(*args, **kwargs):
+        await asyncio.to_thread(released.wait, 120)
+        return await original(*args, **kwargs)
+
+    monkeypatch.setattr(jax_array_handlers, "_async_serialize_replica_slices", held)
+    return released
+
+
+def test_steps_run_while_a_checkpoint_is_written_and_it_restores_bit_identically(
+    tmp_path, monkeypatch
+):
+    """The steps after a save donate the saved state's buffers while its files are still
+    being written; the checkpoint holds the state as it was when saved."""
+    data = batches("mlp", STEPS)
+    pipe = build_pipeline("mlp", 3, devices=jax.devices()[:3], method="fdg", beta=0.7)
+    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
+    saved = jax.device_get(state)
+    released = hold_array_writes(monkeypatch)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state, {"note": "mid-run"})
+        state = run(pipe, state, data[SAVE_AT:])  # (donates the saved buffers)
+        assert checkpoints.writing() and os.listdir(tmp_path) == [f"{SAVE_AT}.orbax-checkpoint-tmp"]
+        released.set()
+        checkpoints.wait()
+        assert not checkpoints.writing() and os.listdir(tmp_path) == [str(SAVE_AT)]
+    assert state.step == STEPS
+    fresh = build_pipeline("mlp", 3, devices=jax.devices()[3:6], method="fdg", beta=0.7)
+    assert_equal(restored(tmp_path, fresh, data), saved)
+
+
+def test_a_save_waits_for_the_write_before_it_and_keep_counts_complete_ones(tmp_path, monkeypatch):
+    """While step 3's checkpoint is written, steps 1 and 2 stay on disk (orbax deletes
+    beyond `keep` once the new one is complete); reading a checkpoint waits for the write."""
+    data = batches("mlp", 3)
+    pipe = build_pipeline("mlp", 2, method="fdg")
+    state = pipe.init(data[0])
+    with Checkpointer(tmp_path, keep=2) as checkpoints:
+        for batch in data[:2]:
+            state, _ = pipe.step(state, batch)
+            checkpoints.save(state)
+        released = hold_array_writes(monkeypatch)
+        state, _ = pipe.step(state, data[2])
+        checkpoints.save(state, {"note": "at 3"})
+        assert sorted(os.listdir(tmp_path)) == ["1", "2", "3.orbax-checkpoint-tmp"]
+        released.set()
+        assert checkpoints.extra(3) == {"note": "at 3"}  # (waits for the write)
+        assert sorted(os.listdir(tmp_path)) == ["2", "3"]

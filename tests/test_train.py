@@ -295,3 +295,54 @@ def test_every_record_says_its_pace_and_where_the_epoch_s_time_went(tmp_path):
     first, second = epochs
     assert first["checkpoint_seconds"] > 0  # the save at step 5
     assert second["checkpoint_seconds"] > 0  # the epoch end's save at 8, and 10 and 15
+
+
+def test_a_run_killed_while_a_checkpoint_is_written_resumes_from_the_one_before(
+    tmp_path, whole_and_cut
+):
+    """SIGKILL while the checkpoint of step 10 is written in the background, after steps
+    11 to 15 ran beside the write: what orbax wrote of it stays a temporary directory;
+    the run resumes from step 8, redoes the steps after it and ends as one that never
+    stopped."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from helpers import ROOT
+    from processes import kill_tree
+
+    run, workdir = "fdg_k2", tmp_path / "run"
+    checkpoints = workdir / run / "checkpoints"
+    worker = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "write_held_worker.py"), f"--workdir={workdir}"]
+        + ["--hold=10"],
+        cwd=ROOT,
+        env={
+            "DGRAD_TEST_JAX_CACHE": os.path.join(tempfile.gettempdir(), "dgrad-test-jax-cache"),
+            **os.environ,
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 300
+    metrics_path = workdir / run / "metrics.jsonl"
+    while worker.poll() is None and time.monotonic() < deadline:
+        if metrics_path.exists() and any(r["step"] == 15 for r in metrics.read(metrics_path)):
+            break  # steps 11-15 done, the save at 15 waiting for 10's write
+        time.sleep(0.05)
+    alive = worker.poll() is None
+    kill_tree(worker.pid)
+    output, _ = worker.communicate()
+    assert alive, f"the worker ended before its kill:\n{output[-3000:]}"
+    assert "saved 10" in output and "saved 15" not in output, output[-3000:]
+    assert sorted(os.listdir(checkpoints)) == ["10.orbax-checkpoint-tmp", "5", "8"]
+
+    lines = []
+    train(small_config(), workdir, log=lines.append)
+    assert not [line for line in lines if "does not restore" in line], lines
+    assert "  resumed from the checkpoint at step 8 (epoch 2, 0 of 8 batches done)" in lines
+    assert records(workdir, run) == records(whole_and_cut / "whole", run)
+    assert sorted(os.listdir(checkpoints)) == ["15", "16"]

@@ -9,17 +9,32 @@ continues bit for bit. Which records and messages exist after step t follows
 from the timetable alone (`Pipeline.state_structure`), so restoring needs no
 saved layout: orbax reads every array straight onto the devices of its stage in
 the restoring pipeline, whatever its device layout, number of replicas or
-processes. Each save is atomic (orbax writes into a temporary directory and
-renames it when complete), so a run killed while saving resumes from the last
-complete checkpoint. A checkpoint that does not restore (a file of it damaged
-or missing, or a state of another structure) raises `Unrestorable`, one line
-naming it and what failed; `set_aside` moves it where orbax does not look.
+processes.
+
+A save returns once orbax has copied the arrays to host memory (`np.asarray` of
+each shard, blocking); the files are written in the background while training
+goes on, and the next save, `wait`, `meta`, `restore`, `set_aside` and `close`
+wait for that write. The copy keeps the saved arrays safe from the next step,
+which donates the state's buffers: on GPU it is a copy, and on CPU, where it is
+a view of the device buffer, XLA does not reuse a buffer that a view holds.
+Each save is atomic: orbax writes into `<step>.orbax-checkpoint-tmp`, renames
+it when complete and only then deletes the checkpoints beyond `keep`, so a run
+killed while a checkpoint is written resumes from the last complete one (and
+the same step saved again replaces the leftover). A checkpoint that does not
+restore (a file of it damaged or missing, or a state of another structure)
+raises `Unrestorable`, one line naming it and what failed; `set_aside` moves
+it where orbax does not look.
+
 Under several processes every process calls `save`, `restore` and `set_aside`;
 each writes and reads its own shards, and none may have a collective in flight
-(a `dgrad.placement.share` not yet read, say) when it creates or saves: orbax's
-barriers are collectives, and one could pair with it. Restoring has no barrier:
-the processes tell each other through the `jax.distributed` key-value store
-whether their part restored, so that all of them succeed or fail together.
+(a `dgrad.placement.share` not yet read, say) when it creates or saves: the
+barriers of `save` itself are collectives, and one could pair with it. The
+background write's barriers go through the `jax.distributed` key-value store,
+never the devices, so steps may run beside it; process 0 renames a checkpoint
+into place only once every process has written its part, so all of them see
+the same complete checkpoints. Restoring has no barrier: the processes tell
+each other through the `jax.distributed` key-value store whether their part
+restored, so that all of them succeed or fail together.
 
 >>> import tempfile, jax, jax.numpy as jnp, optax
 >>> import dgrad
@@ -73,6 +88,8 @@ class Checkpointer:
     Args:
       directory: where the numbered checkpoints go (created if missing).
       keep: how many of the newest checkpoints to keep.
+      background: write each checkpoint in the background (False: `save` returns once
+        it is complete).
 
     >>> import tempfile, jax.numpy as jnp, optax
     >>> import dgrad
@@ -87,12 +104,12 @@ class Checkpointer:
     [2, 3]
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 2):
+    def __init__(self, directory: str | os.PathLike, *, keep: int = 2, background: bool = True):
         self.directory = os.path.abspath(os.fspath(directory))
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, create=True, enable_async_checkpointing=False
+                max_to_keep=keep, create=True, enable_async_checkpointing=background
             ),
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
@@ -120,6 +137,34 @@ class Checkpointer:
         """
         self._manager.close()
         self._state_reader.close()
+
+    def wait(self) -> None:
+        """Waits for the checkpoint being written in the background (if any) to be complete;
+        raises what failed in its write.
+
+        >>> import os, tempfile, jax.numpy as jnp, optax
+        >>> import dgrad
+        >>> from dgrad import models
+        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
+        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.save(state)  # returns while the files are written
+        ...     checkpoints.wait()
+        ...     print(checkpoints.writing(), os.listdir(directory))
+        False ['0']
+        """
+        self._manager.wait_until_finished()
+        self._manager.check_for_errors()
+
+    def writing(self) -> bool:
+        """Whether a checkpoint is being written in the background (safe from any thread).
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
+        ...     checkpoints.writing()
+        False
+        """
+        return self._manager.is_saving_in_progress()
 
     def latest_step(self) -> int | None:
         """The step of the newest complete checkpoint, or None.
@@ -157,6 +202,10 @@ class Checkpointer:
     def save(self, state: PipelineState, extra: dict[str, Any] | None = None) -> None:
         """Saves `state` (and the JSON-able `extra`) as checkpoint number `state.step`.
 
+        Waits for the previous checkpoint's write, copies `state`'s arrays to host memory
+        and returns; the files are written in the background (see `wait`). `state` may be
+        donated to the next step as soon as it returns.
+
         >>> import os, tempfile, jax.numpy as jnp, optax
         >>> import dgrad
         >>> from dgrad import models
@@ -164,6 +213,7 @@ class Checkpointer:
         >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
         >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
         ...     checkpoints.save(state, {"epoch": 0})
+        ...     checkpoints.wait()
         ...     print(os.listdir(directory), sorted(os.listdir(os.path.join(directory, "0"))))
         ['0'] [..., 'meta', 'state']
         """
@@ -193,6 +243,7 @@ class Checkpointer:
         ...     print(checkpoints.meta())
         {'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
         """
+        self.wait()
         return dict(self._meta_reader.restore(self._step_path(self._require(step)) / "meta"))
 
     def extra(self, step: int | None = None) -> dict[str, Any]:
@@ -244,6 +295,7 @@ class Checkpointer:
         >>> extra, all(jax.tree.leaves(same))
         ({'epoch': 0}, True)
         """
+        self.wait()
         step = self._require(step)
         meta, failure = None, None
         try:
@@ -301,6 +353,7 @@ class Checkpointer:
         ...     print(checkpoints.all_steps(), os.path.relpath(where, directory))
         [3] damaged/5
         """
+        self.wait()
         self._require(step)
         where = None
         if jax.process_index() == 0:

@@ -2,9 +2,11 @@
 checkpoints, resuming, stopping on request, export.
 
 The host never waits for a step it has just dispatched: each step's metrics
-are read after the next step is dispatched. Every process runs the same
-loop; process 0 alone writes metrics and the exported model, every process
-writes its own shards of each checkpoint.
+are read after the next step is dispatched. Checkpoints are written in the
+background while the next steps run; a stop, and the end of the run, wait
+for the write to be complete. Every process runs the same loop; process 0
+alone writes metrics and the exported model, every process writes its own
+shards of each checkpoint.
 """
 
 from __future__ import annotations
@@ -475,7 +477,9 @@ def _epoch_record(
 
 def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> float:
     """Checkpoints `state` with what a resume needs beside it: the config, the epoch's
-    tally so far and where the data stream stands; returns the seconds it took."""
+    tally so far and where the data stream stands; returns the seconds the steps wait
+    for it (the previous write's end and the copy to host; the files are written in
+    the background)."""
     epoch, position = divmod(state.step, ctx.steps_per_epoch)
     start = time.perf_counter()
     with watchdog.saving():
@@ -489,6 +493,12 @@ def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> float:
             },
         )
     return time.perf_counter() - start
+
+
+def _finish_writing(checkpoints: Checkpointer, watchdog: Watchdog) -> None:
+    """Waits for the checkpoint being written in the background to be complete."""
+    with watchdog.saving():
+        checkpoints.wait()
 
 
 def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, Any]:
@@ -536,6 +546,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
         os.path.join(ctx.run_dir, "checkpoints"), keep=config.keep_checkpoints
     )
     with checkpoints, Watchdog(config.stall_timeout) as watchdog:
+        watchdog.watch_writes(checkpoints.writing)
         state, tally = _resume(ctx, config, checkpoints, total)
 
         label = f"{ctx.run.label} "
@@ -597,6 +608,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     saving += seconds  # (an epoch's end saves after its record: the next's)
                     pace.pause(seconds)
                 if due.stop:
+                    _finish_writing(checkpoints, watchdog)
                     if writer is not None:
                         writer.close()
                     raise Stopped(
@@ -604,6 +616,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                         f"Stopped at step {step} after saving a checkpoint of it.",
                         checkpoint_step=step,
                     )
+        _finish_writing(checkpoints, watchdog)  # the last checkpoint whole before the export
         if writer is not None:
             writer.close()
         pipe.check_finite(state)

@@ -15,6 +15,11 @@ The training loop `beat`s after every step (and every evaluation batch). A
   stop that waits for a peer which died or is stuck ends too. A checkpoint being
   saved is progress: the grace runs from its end.
 
+Before either exit the watchdog waits (up to `write_wait_s`) for a checkpoint being
+written in the background to be complete, if the loop told it how to ask (`watch_writes`):
+its write runs on threads of its own, so a stuck main thread does not hold it up, and the
+run then resumes from it rather than the one before. A second signal exits at once.
+
 With `stall_timeout` = -1 (the default) the limit follows the run: 10 times the
 slowest step so far, at least `AUTO_FLOOR_S`, and `AUTO_FIRST_S` until the first
 step (which compiles) has finished. 0 turns stall detection off.
@@ -34,12 +39,14 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 import jax
 
 STALLED = 75  # EX_TEMPFAIL: the run did not fail, it stopped advancing; resume it
 AUTO_FLOOR_S = 300.0
 AUTO_FIRST_S = 900.0
+WRITE_WAIT_S = 120.0  # how long an exit waits for a checkpoint being written
 TEST_STALL_ENV = "DGRAD_TEST_STALL"  # "PROCESS:STEP": that process blocks in a device call
 
 
@@ -50,6 +57,7 @@ class Watchdog:
       stall_timeout: seconds without a beat that count as a stall (-1: follow the run,
         0: never).
       grace_s: how long a signalled process may go without a beat before it exits.
+      write_wait_s: how long an exit waits for a checkpoint being written (`watch_writes`).
       out: where the one line goes (default stderr).
 
     >>> import io
@@ -60,10 +68,19 @@ class Watchdog:
     (5.0, 3)
     """
 
-    def __init__(self, stall_timeout: float = -1, grace_s: float = 5.0, *, out=None):
+    def __init__(
+        self,
+        stall_timeout: float = -1,
+        grace_s: float = 5.0,
+        *,
+        write_wait_s: float = WRITE_WAIT_S,
+        out=None,
+    ):
         self.stall_timeout = float(stall_timeout)
         self.grace_s = grace_s
+        self.write_wait_s = write_wait_s
         self.out = out
+        self._writing: Callable[[], bool] = lambda: False
         self.step: int | None = None
         self.slowest_s = 0.0
         self._last = time.monotonic()
@@ -101,6 +118,16 @@ class Watchdog:
         True
         """
         return _Saving(self)
+
+    def watch_writes(self, writing: Callable[[], bool]) -> None:
+        """Has an exit wait while `writing()` (a checkpoint's background write) says True.
+
+        >>> watchdog = Watchdog()
+        >>> watchdog.watch_writes(lambda: False)  # nothing being written: an exit does not wait
+        >>> watchdog._wait_for_write() < 0.05
+        True
+        """
+        self._writing = writing
 
     def limit_s(self) -> float | None:
         """The stall limit now, in seconds (None: no stall detection).
@@ -205,20 +232,36 @@ class Watchdog:
             if number not in (signal.SIGINT, signal.SIGTERM):
                 continue
             if self._signalled is not None and not self._saving:
-                self._exit(128 + number, f"{signal.Signals(number).name} twice; stopping now")
+                self._exit(
+                    128 + number, f"{signal.Signals(number).name} twice; stopping now", wait=False
+                )
             self._signalled = (number, time.monotonic())
 
     def _waiting(self) -> str:
         step = "before the first step" if self.step is None else f"after step {self.step}"
         return f"{step} in {waiting_in(self._main)}"
 
-    def _exit(self, status: int, why: str) -> None:
+    def _wait_for_write(self) -> float:
+        """Waits up to `write_wait_s` while a checkpoint is being written; the seconds waited."""
+        start = time.monotonic()
+        while time.monotonic() - start < self.write_wait_s:
+            try:
+                if not self._writing():
+                    break
+            except Exception:  # (the checkpointer closing meanwhile): nothing to wait for
+                break
+            time.sleep(0.05)
+        return time.monotonic() - start
+
+    def _exit(self, status: int, why: str, wait: bool = True) -> None:
         name = f"process {jax.process_index()}" if jax.process_count() > 1 else "this run"
         out = self.out or sys.stderr
         try:  # a dead starter leaves no one to read it: the exit must not depend on it
+            waited = self._wait_for_write() if wait else 0.0
+            written = f" (after {waited:.1f} s waiting for its write)" if waited >= 0.05 else ""
             out.write(
-                f"\n[{name}] {why}. The newest complete checkpoint is kept; the same command "
-                "resumes from it.\n"
+                f"\n[{name}] {why}. The newest complete checkpoint is kept{written}; the same "
+                "command resumes from it.\n"
             )
             out.flush()
         finally:
