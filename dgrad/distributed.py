@@ -53,7 +53,8 @@ def initialize(
 
     Args:
       coordinator: `host:port` of process 0's coordination service.
-      num_processes, process_id: the run's size and this process's index.
+      num_processes: the run's size.
+      process_id: this process's index.
       cpu_devices: fake CPU devices of this process (used only by the CPU backend).
       auto: let `jax.distributed.initialize()` read the cluster's environment.
 

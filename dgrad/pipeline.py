@@ -114,11 +114,12 @@ class Pipeline:
         output is stage k+1's input, the last stage's output goes to `loss_fn`.
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
-      method, beta, weights, memory, fused, predict, predict_lr, data_parallel, accumulate,
-        probe_every, microbatches, virtual_stages: the training options, see
-        `dgrad.options.Options` (also for what they mean).
-      devices, placement: which devices, and how stages (and their
-        `data_parallel` replicas) map onto them; see `dgrad.placement.Placement`.
+      method: the training method; it and `beta`, `weights`, `memory`, `fused`, `predict`,
+        `predict_lr`, `data_parallel`, `accumulate`, `probe_every`, `microbatches` and
+        `virtual_stages` are the training options of `dgrad.options.Options` (which says
+        what each means).
+      devices: which devices (default all); `placement` says how the stages and their
+        `data_parallel` replicas map onto them, see `dgrad.placement.Placement`.
       loss_fn: `(outputs, labels) -> (mean loss, metrics)` for the last stage.
 
     >>> import jax.numpy as jnp, optax

@@ -228,7 +228,8 @@ class StageFunctions:
       first: whether the stage sends no cotangent back (stage 0; every DGL stage).
       loss_fn: set on the last stage (`loss_step`) and on DGL stages (`aux_step`).
       staleness: the stage's weight staleness (for weight prediction).
-      replicated, sharded: shardings of the stage's state and of its batches.
+      replicated: the sharding of the stage's state (`sharded`: of its batches).
+      sharded: the sharding of the stage's batches, activations and cotangents.
 
     Attributes:
       params, rest: the module's initial state as plain nested dicts (`split_state`), not

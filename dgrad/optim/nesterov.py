@@ -143,7 +143,11 @@ def scale_by_async_nesterov(
     / (sqrt(v_t / (1 - b2 ** t)) + eps)`, see the module docstring.
 
     Args:
-      delay, num_stages, b1, b1_target: give the momentum b1_k, see `stage_momentum`.
+      delay: the stage's delay; with `num_stages`, `b1` and `b1_target` it gives the
+        momentum b1_k, see `stage_momentum`.
+      num_stages: K, see `stage_momentum`.
+      b1: the momentum of a stage without delay, see `stage_momentum`.
+      b1_target: the momentum the formula approaches, see `stage_momentum`.
       b2: decay of the running mean of squared gradients.
       eps: added to the root of the second moment.
       momentum_decay: psi in torch's NAdam schedule

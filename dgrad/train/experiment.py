@@ -115,8 +115,9 @@ def train(
       Per run title, the last epoch's record (`test_accuracy`, ...).
 
     Raises:
-      SetupError naming the field, directory or stage at fault (nothing written);
-      `dgrad.data.DatasetNotFoundError`; `Stopped` when stopped by a signal.
+      SetupError: naming the field, directory or stage at fault (nothing written).
+      dgrad.data.DatasetNotFoundError: when the dataset is not prepared.
+      Stopped: when stopped by a signal.
 
     >>> import io, tempfile
     >>> from dgrad.train import config as fields
