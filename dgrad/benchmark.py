@@ -80,7 +80,8 @@ def pipeline_case(name: str, pipe, batch, *, warmup: int | None = None) -> Case:
     for _ in range(2 * pipe.num_stages + 2 if warmup is None else warmup):
         state, _ = pipe.step(state, batch)
     jax.block_until_ready(state)
-    return Case(name, pipe.num_stages, pipe.placement.data_parallel, pipe.step, state, pipe)
+    groups = pipe.schedule.num_devices  # K: interleaved chunks share their groups
+    return Case(name, groups, pipe.placement.data_parallel, pipe.step, state, pipe)
 
 
 def plain_case(
@@ -158,9 +159,10 @@ def dispatch_floor(pipe, state, batch, *, repeats: int = 20) -> tuple[float, flo
     """The host's seconds per dispatched call at the floor, two ways: each stage call of
     one step of `pipe` from `state`, and each of its moves between device groups as a
     bare `jax.device_put`, repeated `repeats` times in a bare loop with the same
-    arguments; and the step's calls and moves replayed in their order, `repeats` times
-    (the same work with none of the engine's bookkeeping). The host's CPU time, as
-    `measure` counts it, divided by the calls and moves (see `dispatched_per_step`).
+    arguments; and the step's calls and moves replayed in their order, `repeats` times,
+    each time waited for (the same work with none of the engine's bookkeeping). The
+    host's CPU time, as `measure` counts it, divided by the calls and moves (see
+    `dispatched_per_step`).
 
     >>> import jax, optax
     >>> import jax.numpy as jnp
@@ -203,7 +205,7 @@ def dispatch_floor(pipe, state, batch, *, repeats: int = 20) -> tuple[float, flo
         return seconds
 
     each = sum(host_seconds([run] * repeats) for run in runs)
-    in_order = host_seconds(runs * repeats)
+    in_order = sum(host_seconds(runs) for _ in range(repeats))  # a step's worth at a time
     return each / repeats / len(runs), in_order / repeats / len(runs)
 
 

@@ -130,7 +130,7 @@ def simulate(
     seconds (a key `(None, name)` stands for every stage; missing: 0), the host spending
     `dispatch` seconds on each call it dispatches and each message that crosses devices
     taking `move` seconds; returns the second half's `Prediction` (`steps` defaults to
-    four times as many as a batch spends in the pipeline, so that the fill is over).
+    16, or four times as many as a batch spends in the pipeline, so that the fill is over).
 
     >>> from dgrad.schedule import Schedule
     >>> one = simulate(Schedule("1f1b", 4, microbatches=8))
@@ -142,7 +142,7 @@ def simulate(
     70.0
     """
     cost = _cost_of(costs)
-    steps = steps or max(8, 4 * (schedule.longest_wait() + 1))
+    steps = steps or max(16, 4 * (schedule.longest_wait() + 1))
     devices = schedule.num_devices if not schedule.fused else 1
     free = [0.0] * devices
     busy = [0.0] * devices
