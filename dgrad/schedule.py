@@ -685,7 +685,7 @@ class Schedule:
         queues = [self.device_work(d, t) for d in range(self.num_devices)]
         made = set()  # ("activation" | "cotangent", stage it waits for, unit)
         made_here = {
-            message for queue in queues for work in queue for message in _sends(self, work)
+            message for queue in queues for work in queue for message in messages_sent(self, work)
         }
         order = []
         while any(queues):
@@ -693,12 +693,12 @@ class Schedule:
             for queue in queues:
                 if not queue:
                     continue
-                if all(m in made or m not in made_here for m in _needs(queue[0])):
+                if all(m in made or m not in made_here for m in messages_needed(queue[0])):
                     tick.append(queue.pop(0))
             if not tick:
                 raise AssertionError(f"the {self.method} timetable of iteration {t} deadlocks")
             for work in tick:
-                made.update(_sends(self, work))
+                made.update(messages_sent(self, work))
             order += tick
         return tuple(order)
 
@@ -730,9 +730,9 @@ summing=(None, None))
                 if isinstance(work, Fused):
                     continue
                 k = work.stage
-                for needed in _needs(work):
+                for needed in messages_needed(work):
                     messages.pop(needed, None)  # (one made before the window: not in flight)
-                messages.update(dict.fromkeys(_sends(self, work), True))
+                messages.update(dict.fromkeys(messages_sent(self, work), True))
                 if isinstance(work, (Forward, LossInput, BackwardForward)):
                     kept[k].append(work.forward if isinstance(work, BackwardForward) else work.unit)
                 if isinstance(work, (Backward, BackwardForward, WeightGradient)):
@@ -819,8 +819,12 @@ def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> l
     return work + backwards[len(forwards) - warmup :]
 
 
-def _needs(work: Work) -> list[tuple]:
-    """The messages a call waits for: ("activation" | "cotangent", its stage, its unit)."""
+def messages_needed(work: Work) -> list[tuple]:
+    """The messages a call waits for: ("activation" | "cotangent", its stage, its unit).
+
+    >>> messages_needed(BackwardForward(stage=1, backward=0, forward=2, update_first=True))
+    [('activation', 1, 2), ('cotangent', 1, 0)]
+    """
     if isinstance(work, (Forward, Loss, LossInput, LocalLoss)) and work.stage > 0:
         return [("activation", work.stage, work.unit)]
     if isinstance(work, BackwardForward):
@@ -830,8 +834,13 @@ def _needs(work: Work) -> list[tuple]:
     return []
 
 
-def _sends(schedule: Schedule, work: Work) -> list[tuple]:
-    """The messages a call sends: its output on, its input's cotangent back."""
+def messages_sent(schedule: Schedule, work: Work) -> list[tuple]:
+    """The messages a call sends: its output on, its input's cotangent back, each as
+    ("activation" | "cotangent", the stage it waits for, the unit).
+
+    >>> messages_sent(Schedule("zb", 3, microbatches=2), InputGradient(stage=1, unit=(0, 1)))
+    [('cotangent', 0, (0, 1))]
+    """
     if isinstance(work, (Apply, Fused, WeightGradient)):
         return []
     k, sent = work.stage, []

@@ -38,8 +38,8 @@ from dgrad.schedule import (
     Schedule,
     WeightGradient,
     Work,
-    _needs,
-    _sends,
+    messages_needed,
+    messages_sent,
 )
 
 Costs = Mapping[tuple[int, str], float] | Callable[[int, str], float]
@@ -155,7 +155,7 @@ def simulate(
             device = 0 if schedule.fused else schedule.device_of(stage)
             host += dispatch
             start = max(host, free[device])
-            for message in _needs(call):
+            for message in messages_needed(call):
                 if message in ready:
                     sent, source = ready.pop(message)
                     start = max(start, sent + (move if source != device else 0.0))
@@ -164,7 +164,7 @@ def simulate(
             end = max(end, free[device])
             if t >= steps // 2:
                 busy[device] += seconds
-            for message in _sends(schedule, call):
+            for message in messages_sent(schedule, call):
                 ready[message] = (free[device], device)
         ends.append(max(end, host))
     half = steps // 2
