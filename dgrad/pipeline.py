@@ -328,6 +328,28 @@ class Pipeline:
         finite = self.placement.put(jnp.array(True), self.num_stages - 1)
         return PipelineState(0, tuple(stages), none, none, finite)
 
+    def model_flops(self) -> float:
+        """A training step's model FLOPs, as XLA counts them: three times the forward of
+        every stage on the whole batch init saw (the backward costs twice the forward;
+        recomputation, auxiliary heads and optimizers are not the model's work).
+
+        >>> import jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+        >>> _ = pipe.init((jnp.ones((2, 4)), jnp.array([0, 1])))
+        >>> pipe.model_flops() >= 3 * 2 * 2 * (4 * 8 + 8 * 3)  # 2 examples, 2 per multiply-add
+        True
+        """
+        if self._batch_shapes is None:
+            raise RuntimeError("Call pipe.init(example_batch) before pipe.model_flops.")
+        x, forward_flops = self._batch_shapes[0], 0.0
+        for fns in self.stages:
+            args = jax.tree.map(shape_dtype, (fns.params, fns.rest)) + (x,)
+            lowered = jax.jit(fns.apply).lower(*args)
+            forward_flops += lowered.cost_analysis().get("flops", 0.0)
+            x = jax.eval_shape(fns.apply, *args)[0]
+        return 3 * forward_flops
+
     def _check_batch(self, batch):
         if self._batch_shapes is None:
             raise RuntimeError("Call pipe.init(example_batch) before pipe.step.")

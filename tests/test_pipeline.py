@@ -145,3 +145,21 @@ def test_stages_that_do_not_fit_together():
     pipe = dgrad.Pipeline(stages, optimizer=SGD)
     with pytest.raises(ValueError, match=r"Stage 1 of 2 cannot take input of shape \(8, 4\)"):
         pipe.init(batches("mlp", 1)[0])
+
+
+def test_model_flops_count_the_model_not_its_cut():
+    """Three forwards' worth of the MLP's multiply-adds (2 FLOPs each), whatever the cut,
+    and twice that for twice the batch."""
+    from dgrad import models
+
+    sizes = [16, 32, 32, 4]
+    matmuls = sum(a * b for a, b in zip(sizes, sizes[1:]))
+
+    def flops(num_stages, rows):
+        pipe = dgrad.Pipeline(models.mlp(sizes, num_stages=num_stages), optimizer=optax.sgd(0.1))
+        pipe.init((jnp.ones((rows, 16)), jnp.zeros((rows,), jnp.int32)))
+        return pipe.model_flops()
+
+    one = flops(1, 8)
+    assert flops(3, 8) == one and flops(1, 16) == 2 * one
+    assert 3 * 2 * 8 * matmuls <= one < 1.2 * 3 * 2 * 8 * matmuls

@@ -297,6 +297,17 @@ def test_every_record_says_its_pace_and_where_the_epoch_s_time_went(tmp_path):
     assert second["checkpoint_seconds"] > 0  # the epoch end's save at 8, and 10 and 15
 
 
+def test_with_peak_tflops_every_train_record_says_its_mfu(tmp_path):
+    """MFU = the step's model FLOPs over its seconds and the peak of the run's two devices:
+    the same FLOPs behind every record."""
+    config = small_config()
+    config.peak_tflops = 1e-3
+    train(config, tmp_path, log=quiet)
+    steps = metrics.read(tmp_path / "fdg_k2" / "metrics.jsonl", "train")
+    flops = [r["mfu"] * r["step_seconds"] * 2 * 1e12 * config.peak_tflops for r in steps]
+    assert flops[0] > 0 and flops == pytest.approx([flops[0]] * len(flops))
+
+
 def test_a_run_killed_while_a_checkpoint_is_written_resumes_from_the_one_before(
     tmp_path, whole_and_cut
 ):

@@ -263,18 +263,31 @@ def due_after(
 class Pace:
     """The pace of the steps between two train records: seconds per step and `unit`s per
     second (a step being `per_step` of them), without the time paused in between
-    (evaluating, saving). Read from the host's clock when a record is due, so that the
-    loop never waits for a device to time it.
+    (evaluating, saving); and the model FLOPs utilization when a step's `flops` and the
+    `peak_flops` per second of all the run's devices are given. Read from the host's
+    clock when a record is due, so that the loop never waits for a device to time it.
 
     >>> pace = Pace(start=0, per_step=32)
     >>> pace.begin -= 40.0  # as if the 4 steps to come took 40 s in all
     >>> pace.pause(20.0)  # half of which went to an evaluation
     >>> {name: round(value) for name, value in pace.take(4).items()}
     {'step_seconds': 5, 'samples_per_second': 6}
+    >>> pace = Pace(start=0, per_step=32, flops=2e12, peak_flops=1e12)
+    >>> pace.begin -= 40.0  # 4 steps of 10 s: 0.2 TFLOP/s of a peak of 1
+    >>> round(pace.take(4)["mfu"], 3)
+    0.2
     """
 
-    def __init__(self, start: int, per_step: int, unit: str = "sample"):
+    def __init__(
+        self,
+        start: int,
+        per_step: int,
+        unit: str = "sample",
+        flops: float = 0.0,
+        peak_flops: float = 0.0,
+    ):
         self.step, self.per_step, self.unit = start, per_step, unit
+        self.flops, self.peak_flops = flops, peak_flops
         self.begin, self.paused = time.perf_counter(), 0.0
 
     def pause(self, seconds: float) -> None:
@@ -302,7 +315,10 @@ class Pace:
             return {}
         seconds = max(now - self.begin - self.paused, 1e-9) / steps
         self.step, self.begin, self.paused = step, now, 0.0
-        return {"step_seconds": seconds, f"{self.unit}s_per_second": self.per_step / seconds}
+        pace = {"step_seconds": seconds, f"{self.unit}s_per_second": self.per_step / seconds}
+        if self.flops and self.peak_flops:
+            pace["mfu"] = self.flops / seconds / self.peak_flops
+        return pace
 
 
 class Behind:
@@ -495,6 +511,15 @@ def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> float:
     return time.perf_counter() - start
 
 
+def _flops_and_peak(pipe: Pipeline, peak_tflops: float) -> dict[str, float]:
+    """A step's model FLOPs and the peak FLOP/s of all the pipeline's devices, for `Pace`'s
+    MFU; {} without `peak_tflops`."""
+    if not peak_tflops:
+        return {}
+    devices = len({device for mesh in pipe.placement.meshes for device in mesh.devices.flat})
+    return {"flops": pipe.model_flops(), "peak_flops": 1e12 * peak_tflops * devices}
+
+
 def _finish_writing(checkpoints: Checkpointer, watchdog: Watchdog) -> None:
     """Waits for the checkpoint being written in the background to be complete."""
     with watchdog.saving():
@@ -571,7 +596,12 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
         )
         vote = StopVote(ctx.run.label)  # (`log_every_steps` bounds the wait for a stop)
         last_loss, epoch_start, saving = None, time.perf_counter(), 0.0
-        pace = Pace(state.step, config.batch_size * (tokens or 1), "token" if tokens else "sample")
+        pace = Pace(
+            state.step,
+            config.batch_size * (tokens or 1),
+            "token" if tokens else "sample",
+            **_flops_and_peak(pipe, config.peak_tflops),
+        )
         behind = Behind(tally, writer, pace)
         with progress:
             for batch in stream.iterate(state.step, total):

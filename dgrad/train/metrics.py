@@ -3,7 +3,8 @@
 Every record is one JSON object per line with a `kind` ("train" for step
 intervals, "epoch" for end-of-epoch evaluation, "probe" for a stage's staleness
 probe) and the `step` it describes. Train records carry the interval's pace
-(`step_seconds`, and `samples_per_second` or, for text, `tokens_per_second`),
+(`step_seconds`, and `samples_per_second` or, for text, `tokens_per_second`;
+`mfu` where the config gives `peak_tflops`),
 epoch records their `seconds` split into `train_seconds`, `eval_seconds` and
 `checkpoint_seconds`.
 A resumed run first drops the records past its checkpoint, so no step is
@@ -55,6 +56,7 @@ CLOCK = (  # what the clock measured: entries that differ between two runs of th
     "step_seconds",
     "samples_per_second",
     "tokens_per_second",
+    "mfu",
 )
 
 

@@ -317,13 +317,27 @@ FIELDS = (
         "log_every_steps", 50, "steps between train-metric records", resumable=True, rule=POSITIVE
     ),
     Field(
+        "peak_tflops",
+        0.0,
+        "peak TFLOP/s of one device in the run's dtype: train records carry the MFU over "
+        "all the run's devices (0: no MFU)",
+        resumable=True,
+        rule=finite(lambda tflops: tflops >= 0, "use a positive number, or 0 for no MFU"),
+    ),
+    Field(
         "checkpoint_every_steps",
         0,
         "steps between checkpoints (0: only at epoch ends)",
         resumable=True,
         rule=NONNEGATIVE,
     ),
-    Field("keep_checkpoints", 2, "newest checkpoints kept", resumable=True, rule=POSITIVE),
+    Field(
+        "keep_checkpoints",
+        2,
+        "newest checkpoints kept (at least 2: the older one stands in for a damaged newest)",
+        resumable=True,
+        rule=Rule(lambda count: count >= 2, "keep at least 2"),
+    ),
     Field(
         "stall_timeout",
         -1.0,
