@@ -347,7 +347,7 @@ class Pipeline:
             args = jax.tree.map(shape_dtype, (fns.params, fns.rest)) + (x,)
             lowered = jax.jit(fns.apply).lower(*args)
             forward_flops += lowered.cost_analysis().get("flops", 0.0)
-            x = jax.eval_shape(fns.apply, *args)[0]
+            x = lowered.out_info[0]  # the stage's output: the next one's input
         return 3 * forward_flops
 
     def _check_batch(self, batch):

@@ -516,7 +516,7 @@ def _flops_and_peak(pipe: Pipeline, peak_tflops: float) -> dict[str, float]:
     MFU; {} without `peak_tflops`."""
     if not peak_tflops:
         return {}
-    devices = len({device for mesh in pipe.placement.meshes for device in mesh.devices.flat})
+    devices = len({device for group in pipe.placement.groups for device in group})
     return {"flops": pipe.model_flops(), "peak_flops": 1e12 * peak_tflops * devices}
 
 
