@@ -54,3 +54,15 @@ def test_each_stage_clips_its_gradient_by_its_own_norm(fused):
     whole = np.sqrt(sum(n**2 for n in norms))
     one_clip = [0.05 * n / whole for n in norms]  # the norms one clip of the model would give
     assert all(abs(norm - 0.05) > 1e-3 for norm in one_clip), (norms, one_clip)
+
+
+def test_synthetic_examples_sets_how_many_batches_an_epoch_can_have():
+    """Timing runs need epochs longer than the 64 batches of 64 of the default synthetic set."""
+    config = fields.base()
+    config.dataset, config.batch_size, config.steps_per_epoch = "synthetic", 64, 100
+    with pytest.raises(ValueError, match="more than the 64 batches"):
+        build.steps_per_epoch(config, build.load_dataset(config))
+    config.synthetic_examples = 6400
+    dataset = build.load_dataset(config)
+    assert len(dataset.train) == 6400
+    assert build.steps_per_epoch(config, dataset) == 100

@@ -41,6 +41,7 @@ def load_dataset(config: ml_collections.ConfigDict) -> data.Dataset:
         context=config.context,
         tokenizer=config.tokenizer,
         vocab_size=config.vocab_size,
+        synthetic_examples=config.synthetic_examples,
     )
 
 

@@ -127,6 +127,12 @@ FIELDS = (
         resumable=True,
     ),
     Field("image_size", 224, "side of the ImageNet crops", rule=POSITIVE),
+    Field(
+        "synthetic_examples",
+        4096,
+        "synthetic: random 32px training images (for speed runs; 64 steps of 64 by default)",
+        rule=POSITIVE,
+    ),
     Field("model.name", "cifar_resnet", f"one of {', '.join(MODELS)}", rule=one_of(*MODELS)),
     Field(
         "model.depth",
