@@ -101,7 +101,8 @@ class Group:
 
     Args:
       name: the case's name in the table.
-      spec: what `serve` builds (model, cuts, batch size, method, fused).
+      spec: what `serve` builds (model, cuts, batch size, method, fused, and in
+        `options` any other `Pipeline` option, such as microbatches).
       processes: how many processes (stage k on process k when several).
       devices: fake CPU devices per process.
       pins: the core of each process (None: not pinned).
@@ -214,7 +215,13 @@ def serve(spec: dict, *, stdin=None, stdout=None) -> None:
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     stages = chain_of(spec).stages(spec["stages"], spec["cuts"])
     optimizer = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.01, momentum=0.9))
-    pipe = dgrad.Pipeline(stages, optimizer=optimizer, method=spec["method"], fused=spec["fused"])
+    pipe = dgrad.Pipeline(
+        stages,
+        optimizer=optimizer,
+        method=spec["method"],
+        fused=spec["fused"],
+        **spec.get("options", {}),
+    )
     batch = example_batch(spec)
     state = pipe.init(batch)
     for _ in range(2 * pipe.num_stages + 2):

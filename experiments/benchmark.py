@@ -16,6 +16,8 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
     python -m experiments.benchmark --processes 2            # FDG K=2, a process per stage
     python -m experiments.benchmark --model mlp --stages 2,4 --methods gpipe,1f1b,zb,ddg,fdg,2bw
     python -m experiments.benchmark --model gpt --stages 1,2 --batch-size 32   # tokens/s
+    python -m experiments.benchmark --against-command --stages 2 --methods fdg,1f1b \\
+        --microbatches 4 --steps 40 --windows 3   # the training command beside the engine
 
 GPipe, 1F1B, ZB and 2BW run with each of `--microbatches` (default 4, 8), and 1F1B
 also interleaved with each of `--virtual-stages` (default 2; K*V chunks, where M is a
@@ -31,6 +33,13 @@ With `--processes K` it times FDG (or the first of `--methods`) with K stages
 on K processes pinned to a core each, beside the same pipeline in one process
 and fused BP pinned to one core, and what the moves between the processes
 cost per step (`dgrad.benchmark_across`).
+
+With `--against-command` it times the training command itself (`python -m
+experiments.train` on synthetic images, the same cuts, batch and methods) beside
+the bare engine, in one process on K fake devices and on K processes pinned to a
+core each, in paired rounds: an engine window, the command for `--command-epochs`
+epochs of `--steps` steps (its epochs after the first are timed, evaluation and
+checkpoints apart), another engine window (`dgrad.benchmark_command`).
 
 `--model gpt` times a byte-level GPT (`--layers`, `--heads`, `--dim`, `--context`) on
 random token windows; its rows give tokens/s and the model's training FLOP/s (6 x the
@@ -102,6 +111,18 @@ def parse_args(argv=None):
         help="time the pipeline with a process per stage (pinned to a core each), K = this",
     )
     parser.add_argument(
+        "--against-command",
+        action="store_true",
+        help="time the training command (python -m experiments.train) beside the engine, in "
+        "one process and on K pinned processes; --steps is an epoch, --windows the rounds",
+    )
+    parser.add_argument(
+        "--command-epochs",
+        type=int,
+        default=3,
+        help="epochs of each training command run, the first not timed (default 3)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a one-minute check: ResNet-8 (width 8), batch 32, K = 1, 2, 3 rounds of 3 steps, "
@@ -137,6 +158,15 @@ def parse_args(argv=None):
     for name in ("width", "image_size", "batch_size", "windows", "steps", *GPT_FLAGS):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.against_command:
+        if not args.model.startswith("resnet") or args.image_size != 32:
+            parser.error(
+                "--against-command times CIFAR ResNets (resnet8, resnet20, ...) on 32px images"
+            )
+        if not args.stages or len(args.stages) != 1 or args.stages[0] < 2:
+            parser.error("--against-command needs one K of 2 or more, e.g. --stages 2")
+        if args.command_epochs < 2:
+            parser.error("--command-epochs must be at least 2 (the first is not timed)")
     if args.processes is not None and args.processes < 2:
         parser.error("--processes needs 2 or more (one stage per process)")
     parts = args.microbatches if set(args.methods) & set(MICROBATCHED) else [1]
@@ -291,6 +321,48 @@ def across(args):
     return rates
 
 
+def against_command(args):
+    """`--against-command`: the training command's steady epochs beside the engine's
+    windows, paired by rounds (`dgrad.benchmark_command`)."""
+    import numpy as np
+
+    from dgrad import benchmark as bench
+    from dgrad import benchmark_command, models
+
+    (k,) = args.stages
+    chain = blocks_of(args)
+    cuts = models.choose_cuts("balanced", k, chain.costs, chain.authors, model=args.model)
+    spec = {**spec_of(args), "stages": k, "cuts": list(cuts)}
+    cases = [
+        benchmark_command.Case(method, m)
+        for method in args.methods
+        for m in (args.microbatches if method in MICROBATCHED else [1])
+    ]
+    print(
+        f"# {args.model}, batch {args.batch_size}, K={k}, cuts {list(cuts)}: {args.windows} "
+        f"rounds; an engine window of {args.steps} steps, the command for "
+        f"{args.command_epochs} epochs of {args.steps} steps, an engine window"
+    )
+    measured = benchmark_command.compare(
+        spec, cases, rounds=args.windows, epochs=args.command_epochs, steps=args.steps
+    )
+    print()
+    print(
+        "| case | layout | engine samples/s median [min-max] | command samples/s median "
+        "[min-max] | command / engine per round | eval s per epoch | checkpoint s per epoch |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for (case, layout), found in measured.items():
+        engine, command = np.array(found.engine), np.array(found.command)
+        print(
+            f"| {case} | {layout} | {np.median(engine):.1f} [{engine.min():.1f}-"
+            f"{engine.max():.1f}] | {np.median(command):.1f} [{command.min():.1f}-"
+            f"{command.max():.1f}] | {bench.summary(np.array(found.ratios))} | "
+            f"{np.median(found.eval_seconds):.2f} | {np.median(found.checkpoint_seconds):.2f} |"
+        )
+    return measured
+
+
 def _batch(args):
     return example_batch(spec_of(args))
 
@@ -302,6 +374,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.processes:
         return across(args)
+    if args.against_command:
+        return against_command(args)
     from dgrad.benchmark import steady_allocator
 
     steady = args.allocator == "steady" and steady_allocator()  # before JAX allocates

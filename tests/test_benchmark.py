@@ -83,6 +83,9 @@ def test_the_quick_mode_sets_defaults_that_given_flags_change():
         (["--model=gpt", "--methods=dgl"], "--methods dgl: its auxiliary heads classify images"),
         (["--model=gpt", "--dim=10", "--heads=4"], "--dim 10 must be a multiple of --heads 4"),
         (["--model=gpt", "--context=0"], "--context must be positive"),
+        (["--against-command", "--model=mlp", "--stages=2"], "times CIFAR ResNets"),
+        (["--against-command", "--stages=1,2"], "needs one K of 2 or more"),
+        (["--against-command", "--stages=2", "--command-epochs=1"], "at least 2"),
     ],
 )
 def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
@@ -153,6 +156,44 @@ def test_the_benchmark_across_processes_prints_every_case_and_the_moves():
     assert rows[0].split("|")[3].strip() == "1.00 [1.00-1.00]"
     assert re.search(r"# moves between the processes: \d+\.\d\d ms/step", output), output
     assert "# predicted ceiling (sum of stage costs / slowest stage): " in output
+
+
+@pytest.mark.slow
+def test_the_benchmark_times_the_training_command_beside_the_engine():
+    """Every case in both layouts: the engine's two windows and the command's steady epochs
+    of each round, and one table row with the command's ratio to the engine."""
+    status, output = run_command(
+        [
+            sys.executable,
+            "-m",
+            "experiments.benchmark",
+            "--against-command",
+            "--model=resnet8",
+            "--width=4",
+            "--batch-size=16",
+            "--stages=2",
+            "--methods=fdg,1f1b",
+            "--microbatches=2",
+            "--windows=1",
+            "--steps=3",
+            "--command-epochs=3",
+        ],
+        timeout=900,
+        cwd=ROOT,
+    )
+    rounds = re.findall(
+        r"# round 1: (.+), (.+): engine [\d.]+ / [\d.]+, command (.+) samples/s", output
+    )
+    assert [(case, layout) for case, layout, _ in rounds] == [
+        ("fdg", "one process"),
+        ("fdg", "2 processes pinned"),
+        ("1f1b M=2", "one process"),
+        ("1f1b M=2", "2 processes pinned"),
+    ], output
+    assert all(len(epochs.split()) == 2 for _, _, epochs in rounds), output  # epochs 2 and 3
+    rows = [line.split("|") for line in output.splitlines() if line.startswith("| 1f1b M=2 ")]
+    assert [row[2].strip() for row in rows] == ["one process", "2 processes pinned"], output
+    assert all(re.fullmatch(r" [\d.]+ \[[\d.]+-[\d.]+\] ", row[5]) for row in rows), rows
 
 
 @pytest.mark.slow

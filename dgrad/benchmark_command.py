@@ -1,0 +1,265 @@
+"""The training command's steady rate beside the engine's, in paired rounds.
+
+A user sees `python -m experiments.train`, not the benchmark. Here the same pipeline
+(model, cuts, batch, method, microbatches) is timed both ways under one machine load:
+every round times the bare engine (`dgrad.benchmark_across.Group`: one fixed batch,
+nothing but `Pipeline.step`), then runs the training command for a few epochs in a
+fresh work directory, then times the engine again. The command's rate is each epoch
+after the first (its `train_seconds`; evaluation and checkpoint seconds are reported
+apart), and its ratio in a round is over the mean of the two engine windows around it.
+
+A layout is one process on K fake devices, or K processes pinned to a core each
+(stage k on process k, under `jax.distributed`), for both sides alike.
+
+>>> case = Case("fdg", microbatches=1)
+>>> case.name, case.options
+('fdg', {})
+>>> Case("1f1b", microbatches=4).name
+'1f1b M=4'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Sequence
+
+import numpy as np
+
+from dgrad.benchmark_across import Group
+from dgrad.distributed import child_options, free_port
+
+TRAIN = [sys.executable, "-m", "experiments.train"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A method (and its microbatches) timed on both sides."""
+
+    method: str
+    microbatches: int = 1
+
+    @property
+    def name(self) -> str:
+        return self.method + (f" M={self.microbatches}" if self.microbatches > 1 else "")
+
+    @property
+    def options(self) -> dict:
+        """The `Pipeline` options beside the method."""
+        return {"microbatches": self.microbatches} if self.microbatches > 1 else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the K stages run: `processes` processes of `devices` fake devices each,
+    pinned to cores `pins` (None: not pinned)."""
+
+    name: str
+    processes: int
+    devices: int
+    pins: tuple[int, ...] | None
+
+    @staticmethod
+    def of(num_stages: int) -> list[Layout]:
+        """One process on K devices and K processes pinned to a core each.
+
+        >>> [layout.name for layout in Layout.of(2)]
+        ['one process', '2 processes pinned']
+        """
+        cores = os.cpu_count() or 1
+        pins = tuple(k % cores for k in range(num_stages))
+        return [
+            Layout("one process", 1, num_stages, None),
+            Layout(f"{num_stages} processes pinned", num_stages, 1, pins),
+        ]
+
+
+def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examples: int):
+    """The training command's flags for the benchmark's ResNet `spec` and `case`: synthetic
+    32px images, the benchmark's cuts, no baseline beside the method.
+
+    >>> spec = {"model": "resnet20", "width": 16, "batch_size": 64, "stages": 2}
+    >>> flags = command_flags(spec, Case("1f1b", 4), epochs=3, steps=40, eval_examples=256)
+    >>> [f for f in flags if "depth" in f or "microbatches" in f]
+    ['--config.model.depth=20', '--config.microbatches=4']
+    """
+    model = spec["model"]
+    if not model.startswith("resnet") or spec.get("image_size", 32) != 32:
+        raise ValueError(
+            f"--model {model}: the training command's side is timed for CIFAR ResNets "
+            "(resnet8, resnet20, ...) on 32px images; use one of those"
+        )
+    return [
+        "--config",
+        "experiments/configs/default.py",
+        "--config.dataset=synthetic",
+        f"--config.synthetic_examples={max(4096, spec['batch_size'] * steps)}",
+        "--config.model.name=cifar_resnet",
+        f"--config.model.depth={int(model[len('resnet') :])}",
+        f"--config.model.width={spec.get('width', 16)}",
+        "--config.split=balanced",
+        f"--config.method={case.method}",
+        f"--config.num_stages={spec['stages']}",
+        "--config.baseline=",
+        f"--config.batch_size={spec['batch_size']}",
+        f"--config.num_epochs={epochs}",
+        f"--config.steps_per_epoch={steps}",
+        f"--config.eval_examples={eval_examples}",
+        f"--config.eval_batch_size={min(eval_examples, 256)}",
+    ] + ([f"--config.microbatches={case.microbatches}"] if case.microbatches > 1 else [])
+
+
+def run_command(
+    flags: Sequence[str], layout: Layout, workdir: str, *, timeout_s: float = 900.0
+) -> list[dict]:
+    """Runs the training command with `flags` in `layout` and returns its epoch records
+    (process 0's `metrics.jsonl`). A failure or a run past `timeout_s` raises with the
+    processes' output; every process started is stopped by its id."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    children = []
+    for index in range(layout.processes):
+        argv = [*TRAIN, *flags, f"--workdir={workdir}", f"--cpu_devices={layout.devices}"]
+        if layout.processes > 1:
+            argv += [
+                f"--coordinator={coordinator}",
+                f"--num_processes={layout.processes}",
+                f"--process_id={index}",
+            ]
+        if layout.pins is not None:
+            argv = pinned(argv, layout.pins[index])
+        log = tempfile.TemporaryFile(mode="w+")
+        child = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            **child_options(PYTHONUNBUFFERED="1"),
+        )
+        children.append((child, log))
+    deadline = time.monotonic() + timeout_s
+    try:
+        for child, _ in children:
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    failed = [c.returncode for c, _ in children if c.returncode != 0]
+    for child, _ in children:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    if failed:
+        output = []
+        for index, (_, log) in enumerate(children):
+            log.seek(0)
+            output.append(f"[{index}] " + log.read()[-4000:])
+        raise RuntimeError(
+            f"the training command ({layout.name}) failed or ran past {timeout_s:.0f} s:\n"
+            + "\n".join(output)
+        )
+    paths = [
+        os.path.join(root, "metrics.jsonl")
+        for root, _, files in os.walk(workdir)
+        if "metrics.jsonl" in files
+    ]
+    with open(paths[0]) as f:
+        return [r for r in map(json.loads, f) if r.get("kind") == "epoch"]
+
+
+def pinned(argv: Sequence[str], core: int) -> list[str]:
+    """`argv` run pinned to `core`: a fresh Python pins itself, then becomes `argv`.
+
+    >>> cores = [sys.executable, "-c", "import os; print(os.sched_getaffinity(0))"]
+    >>> subprocess.run(pinned(cores, 0), capture_output=True, text=True).stdout
+    '{0}\\n'
+    """
+    pin = (
+        f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", pin, *argv]
+
+
+@dataclasses.dataclass
+class Measured:
+    """Samples/s of the engine's windows and the command's steady epochs, and the
+    command's ratio to the engine per round."""
+
+    engine: list[float] = dataclasses.field(default_factory=list)
+    command: list[float] = dataclasses.field(default_factory=list)
+    ratios: list[float] = dataclasses.field(default_factory=list)
+    eval_seconds: list[float] = dataclasses.field(default_factory=list)
+    checkpoint_seconds: list[float] = dataclasses.field(default_factory=list)
+
+
+def compare(
+    spec: dict,
+    cases: Sequence[Case],
+    *,
+    rounds: int,
+    epochs: int,
+    steps: int,
+    eval_examples: int = 256,
+    out=None,
+) -> dict[tuple[str, str], Measured]:
+    """Times every case in every layout of `spec["stages"]` stages, round by round: an
+    engine window of `steps` steps, the training command for `epochs` epochs of `steps`
+    steps, another engine window. Returns what was measured by (case, layout) name. It
+    starts many processes, so its example is a test (tests/test_benchmark.py)."""
+    out = out or sys.stdout
+    if epochs < 2:
+        raise ValueError(f"epochs={epochs}: the command's steady rate needs 2 or more epochs")
+    layouts = Layout.of(spec["stages"])
+    groups: dict[tuple[str, str], Group] = {}
+    measured = {}
+    try:
+        for case in cases:
+            for layout in layouts:
+                key = (case.name, layout.name)
+                out.write(f"# starting the engine's {case.name}, {layout.name}\n")
+                out.flush()
+                groups[key] = Group(
+                    f"{case.name}, {layout.name}",
+                    {**spec, "method": case.method, "fused": False, "options": case.options},
+                    processes=layout.processes,
+                    devices=layout.devices,
+                    pins=layout.pins,
+                )
+                measured[key] = Measured()
+        flags = {
+            case.name: command_flags(
+                spec, case, epochs=epochs, steps=steps, eval_examples=eval_examples
+            )
+            for case in cases
+        }
+        batch = spec["batch_size"]
+        for round_ in range(rounds):
+            for case in cases:
+                for layout in layouts:
+                    key = (case.name, layout.name)
+                    found = measured[key]
+                    before = batch * steps / groups[key].window(steps)
+                    with tempfile.TemporaryDirectory(prefix="dgrad-command-") as workdir:
+                        epochs_run = run_command(flags[case.name], layout, workdir)
+                    after = batch * steps / groups[key].window(steps)
+                    steady = [r for r in epochs_run if r["epoch"] >= 2]
+                    rates = [batch * steps / r["train_seconds"] for r in steady]
+                    found.engine += [before, after]
+                    found.command += rates
+                    found.ratios.append(float(np.median(rates)) / ((before + after) / 2))
+                    found.eval_seconds += [r["eval_seconds"] for r in steady]
+                    found.checkpoint_seconds += [r["checkpoint_seconds"] for r in steady]
+                    out.write(
+                        f"# round {round_ + 1}: {case.name}, {layout.name}: engine "
+                        f"{before:.1f} / {after:.1f}, command "
+                        + " ".join(f"{r:.1f}" for r in rates)
+                        + " samples/s\n"
+                    )
+                    out.flush()
+        return measured
+    finally:
+        for group in groups.values():
+            group.close()
