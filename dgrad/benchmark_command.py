@@ -11,11 +11,8 @@ apart), and its ratio in a round is over the mean of the two engine windows arou
 A layout is one process on K fake devices, or K processes pinned to a core each
 (stage k on process k, under `jax.distributed`), for both sides alike.
 
->>> case = Case("fdg", microbatches=1)
->>> case.name, case.options
-('fdg', {})
->>> Case("1f1b", microbatches=4).name
-'1f1b M=4'
+>>> [case.name for case in (Case("fdg"), Case("1f1b", microbatches=4))]
+['fdg', '1f1b M=4']
 """
 
 from __future__ import annotations
@@ -39,7 +36,14 @@ TRAIN = [sys.executable, "-m", "experiments.train"]
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """A method (and its microbatches) timed on both sides."""
+    """A method (and its microbatches) timed on both sides.
+
+    >>> case = Case("1f1b", microbatches=4)
+    >>> case.name, case.options
+    ('1f1b M=4', {'microbatches': 4})
+    >>> Case("fdg").options
+    {}
+    """
 
     method: str
     microbatches: int = 1
@@ -57,7 +61,11 @@ class Case:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Where the K stages run: `processes` processes of `devices` fake devices each,
-    pinned to cores `pins` (None: not pinned)."""
+    pinned to cores `pins` (None: not pinned).
+
+    >>> Layout("2 processes pinned", processes=2, devices=1, pins=(0, 1)).pins
+    (0, 1)
+    """
 
     name: str
     processes: int
@@ -119,7 +127,16 @@ def run_command(
 ) -> list[dict]:
     """Runs the training command with `flags` in `layout` and returns its epoch records
     (process 0's `metrics.jsonl`). A failure or a run past `timeout_s` raises with the
-    processes' output; every process started is stopped by its id."""
+    processes' output; every process started is stopped by its id.
+
+    >>> import tempfile
+    >>> flags = ["--config", "experiments/configs/default.py:smoke", "--config.model.name=mlp",
+    ...          "--config.baseline=", "--config.num_epochs=2", "--config.steps_per_epoch=2"]
+    >>> with tempfile.TemporaryDirectory() as workdir:
+    ...     epochs = run_command(flags, Layout("one process", 1, 2, None), workdir)
+    >>> [(record["epoch"], record["train_seconds"] > 0) for record in epochs]
+    [(1, True), (2, True)]
+    """
     coordinator = f"127.0.0.1:{free_port()}"
     children = []
     for index in range(layout.processes):
@@ -186,7 +203,15 @@ def pinned(argv: Sequence[str], core: int) -> list[str]:
 @dataclasses.dataclass
 class Measured:
     """Samples/s of the engine's windows and the command's steady epochs, and the
-    command's ratio to the engine per round."""
+    command's ratio to the engine per round.
+
+    >>> found = Measured()
+    >>> found.engine += [300.0, 320.0]
+    >>> found.command.append(290.0)
+    >>> found.ratios.append(290.0 / 310.0)
+    >>> round(found.ratios[0], 3)
+    0.935
+    """
 
     engine: list[float] = dataclasses.field(default_factory=list)
     command: list[float] = dataclasses.field(default_factory=list)

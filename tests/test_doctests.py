@@ -23,8 +23,9 @@ WITHOUT_EXAMPLES = {
 # Public names that need no example of their own: a module name stands for every
 # name defined in it. Keep this short; each entry says why.
 ALLOWED_WITHOUT_EXAMPLE: set[str] = {
-    # starts four processes: tests/test_benchmark.py runs it
+    # start four processes: tests/test_benchmark.py runs them
     "dgrad.benchmark_across.compare",
+    "dgrad.benchmark_command.compare",
     # each needs a started worker process: the class's example calls them
     "dgrad.benchmark_across.Group.window",
     "dgrad.benchmark_across.Group.moves",
@@ -45,6 +46,7 @@ def test_every_module_is_listed():
 # them, the fast subset (-m "not slow") does not.
 SLOW_EXAMPLES = {
     "dgrad.benchmark_across",
+    "dgrad.benchmark_command",
     "dgrad.models.gpt",
     "dgrad.stress",
     "dgrad.train.experiment",
