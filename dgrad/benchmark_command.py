@@ -87,6 +87,23 @@ class Layout:
         ]
 
 
+def refusal(model: str, image_size: int, num_stages: int, epochs: int) -> str | None:
+    """Why the command's side cannot be timed so (one line), or None if it can.
+
+    >>> refusal("resnet20", 32, 2, 3) is None
+    True
+    >>> refusal("resnet20", 32, 2, 1)
+    '--command-epochs must be at least 2 (the first is not timed)'
+    """
+    if not model.startswith("resnet") or image_size != 32:
+        return "--against-command times CIFAR ResNets (resnet8, resnet20, ...) on 32px images"
+    if num_stages < 2:
+        return "--against-command needs one K of 2 or more, e.g. --stages 2"
+    if epochs < 2:
+        return "--command-epochs must be at least 2 (the first is not timed)"
+    return None
+
+
 def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examples: int):
     """The training command's flags for the benchmark's ResNet `spec` and `case`: synthetic
     32px images, the benchmark's cuts, no baseline beside the method.
@@ -97,11 +114,6 @@ def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examp
     ['--config.model.depth=20', '--config.microbatches=4']
     """
     model = spec["model"]
-    if not model.startswith("resnet") or spec.get("image_size", 32) != 32:
-        raise ValueError(
-            f"--model {model}: the training command's side is timed for CIFAR ResNets "
-            "(resnet8, resnet20, ...) on 32px images; use one of those"
-        )
     return [
         "--config",
         "experiments/configs/default.py",
@@ -203,15 +215,7 @@ def pinned(argv: Sequence[str], core: int) -> list[str]:
 @dataclasses.dataclass
 class Measured:
     """Samples/s of the engine's windows and the command's steady epochs, and the
-    command's ratio to the engine per round.
-
-    >>> found = Measured()
-    >>> found.engine += [300.0, 320.0]
-    >>> found.command.append(290.0)
-    >>> found.ratios.append(290.0 / 310.0)
-    >>> round(found.ratios[0], 3)
-    0.935
-    """
+    command's ratio to the engine per round."""
 
     engine: list[float] = dataclasses.field(default_factory=list)
     command: list[float] = dataclasses.field(default_factory=list)
@@ -235,8 +239,9 @@ def compare(
     steps, another engine window. Returns what was measured by (case, layout) name. It
     starts many processes, so its example is a test (tests/test_benchmark.py)."""
     out = out or sys.stdout
-    if epochs < 2:
-        raise ValueError(f"epochs={epochs}: the command's steady rate needs 2 or more epochs")
+    refused = refusal(spec["model"], spec.get("image_size", 32), spec["stages"], epochs)
+    if refused:
+        raise ValueError(refused)
     layouts = Layout.of(spec["stages"])
     groups: dict[tuple[str, str], Group] = {}
     measured = {}

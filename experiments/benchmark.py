@@ -159,14 +159,12 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.against_command:
-        if not args.model.startswith("resnet") or args.image_size != 32:
-            parser.error(
-                "--against-command times CIFAR ResNets (resnet8, resnet20, ...) on 32px images"
-            )
-        if not args.stages or len(args.stages) != 1 or args.stages[0] < 2:
-            parser.error("--against-command needs one K of 2 or more, e.g. --stages 2")
-        if args.command_epochs < 2:
-            parser.error("--command-epochs must be at least 2 (the first is not timed)")
+        from dgrad.benchmark_command import refusal
+
+        k = args.stages[0] if args.stages and len(args.stages) == 1 else 0  # one K, or none
+        refused = refusal(args.model, args.image_size, k, args.command_epochs)
+        if refused:
+            parser.error(refused)
     if args.processes is not None and args.processes < 2:
         parser.error("--processes needs 2 or more (one stage per process)")
     parts = args.microbatches if set(args.methods) & set(MICROBATCHED) else [1]

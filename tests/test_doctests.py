@@ -31,6 +31,7 @@ ALLOWED_WITHOUT_EXAMPLE: set[str] = {
     "dgrad.benchmark_across.Group.moves",
     "dgrad.benchmark_across.Group.close",
     # records with nothing to compute; the example of the function named makes them
+    "dgrad.benchmark_command.Measured",  # compare (tests/test_benchmark.py)
     "dgrad.data.text.Corpus",  # stdlib_corpus
     "dgrad.train.config.runs.Run",  # runs_of
     "dgrad.train.loop.RunContext",  # train_run
