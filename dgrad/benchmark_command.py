@@ -18,18 +18,18 @@ A layout is one process on K fake devices, or K processes pinned to a core each
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Sequence
 
 import numpy as np
 
 from dgrad.benchmark_across import Group
-from dgrad.distributed import child_options, free_port
+from dgrad.distributed import child_options, launch_local
 
 TRAIN = [sys.executable, "-m", "experiments.train"]
 
@@ -149,46 +149,37 @@ def run_command(
     >>> [(record["epoch"], record["train_seconds"] > 0) for record in epochs]
     [(1, True), (2, True)]
     """
-    coordinator = f"127.0.0.1:{free_port()}"
-    children = []
-    for index in range(layout.processes):
-        argv = [*TRAIN, *flags, f"--workdir={workdir}", f"--cpu_devices={layout.devices}"]
-        if layout.processes > 1:
-            argv += [
-                f"--coordinator={coordinator}",
-                f"--num_processes={layout.processes}",
-                f"--process_id={index}",
-            ]
-        if layout.pins is not None:
-            argv = pinned(argv, layout.pins[index])
-        log = tempfile.TemporaryFile(mode="w+")
-        child = subprocess.Popen(
+    argv = [*TRAIN, *flags, f"--workdir={workdir}"]
+    if layout.processes == 1:
+        try:
+            run = subprocess.run(
+                [*argv, f"--cpu_devices={layout.devices}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                timeout=timeout_s,
+                **child_options(PYTHONUNBUFFERED="1"),
+            )
+            status, output = run.returncode, run.stdout
+        except subprocess.TimeoutExpired as timed_out:  # (run has killed it)
+            status, output = 124, timed_out.stdout or b""
+            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+    else:
+        log = io.StringIO()
+        status = launch_local(
             argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            **child_options(PYTHONUNBUFFERED="1"),
+            layout.processes,
+            cpu_devices=layout.devices,
+            timeout=timeout_s,
+            pins=layout.pins,
+            out=log,
         )
-        children.append((child, log))
-    deadline = time.monotonic() + timeout_s
-    try:
-        for child, _ in children:
-            child.wait(timeout=max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    failed = [c.returncode for c, _ in children if c.returncode != 0]
-    for child, _ in children:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
-    if failed:
-        output = []
-        for index, (_, log) in enumerate(children):
-            log.seek(0)
-            output.append(f"[{index}] " + log.read()[-4000:])
+        output = log.getvalue()
+    if status != 0:
         raise RuntimeError(
-            f"the training command ({layout.name}) failed or ran past {timeout_s:.0f} s:\n"
-            + "\n".join(output)
+            f"the training command ({layout.name}) failed (status {status}; 124: it ran past "
+            f"{timeout_s:.0f} s):\n" + output[-8000:]
         )
     paths = [
         os.path.join(root, "metrics.jsonl")
@@ -197,19 +188,6 @@ def run_command(
     ]
     with open(paths[0]) as f:
         return [r for r in map(json.loads, f) if r.get("kind") == "epoch"]
-
-
-def pinned(argv: Sequence[str], core: int) -> list[str]:
-    """`argv` run pinned to `core`: a fresh Python pins itself, then becomes `argv`.
-
-    >>> cores = [sys.executable, "-c", "import os; print(os.sched_getaffinity(0))"]
-    >>> subprocess.run(pinned(cores, 0), capture_output=True, text=True).stdout
-    '{0}\\n'
-    """
-    pin = (
-        f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.argv[1], sys.argv[1:])"
-    )
-    return [sys.executable, "-c", pin, *argv]
 
 
 @dataclasses.dataclass

@@ -292,10 +292,12 @@ def launch_local(
     *,
     cpu_devices: int | None = None,
     timeout: float | None = None,
+    pins: Sequence[int] | None = None,
     out=None,
 ) -> int:
     """Runs `command` (argv of a program taking `--coordinator`, `--num_processes`,
-    `--process_id` and `--cpu_devices`) as `processes` local processes.
+    `--process_id` and `--cpu_devices`) as `processes` local processes, process i
+    pinned to core `pins[i]` if `pins` is given (see `pinned`).
 
     Returns 0 if all succeeded; else the first failure's exit status (124 on
     `timeout` seconds), after stopping the rest.
@@ -310,6 +312,10 @@ def launch_local(
     >>> out = io.StringIO()
     >>> launch_local(fail, processes=2, out=out), out.getvalue()
     (3, 'process 1 exited with status 3; stopping the others\\n')
+    >>> cores = [sys.executable, "-c", "import os; print(os.sched_getaffinity(0))"]
+    >>> out = io.StringIO()
+    >>> launch_local(cores, processes=2, pins=[0, 0], out=out), sorted(out.getvalue().splitlines())
+    (0, ['[0] {0}', '[1] {0}'])
     """
     out = out or sys.stdout
     coordinator = f"127.0.0.1:{free_port()}"
@@ -323,6 +329,8 @@ def launch_local(
         ]
         if cpu_devices:
             argv.append(f"--cpu_devices={cpu_devices}")
+        if pins is not None:
+            argv = pinned(argv, pins[index])
         child = subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
@@ -373,6 +381,20 @@ def launch_local(
         for number, handler in previous.items():
             signal.signal(number, handler)
     return status
+
+
+def pinned(argv: Sequence[str], core: int) -> list[str]:
+    """`argv` run pinned to `core`: a fresh Python pins itself, then becomes `argv`, so
+    no Python runs between the fork and the pinning.
+
+    >>> cores = [sys.executable, "-c", "import os; print(os.sched_getaffinity(0))"]
+    >>> subprocess.run(pinned(cores, 0), capture_output=True, text=True).stdout
+    '{0}\\n'
+    """
+    pin = (
+        f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    return [sys.executable, "-c", pin, *argv]
 
 
 def _stop(children, grace: float = 10.0) -> None:

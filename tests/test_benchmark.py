@@ -1,8 +1,10 @@
 """dgrad.benchmark and experiments/benchmark.py: the memory of the policies, the plain floor, the
 quick mode and its flags, the benchmark across processes and the GPT's rows."""
 
+import os
 import re
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ from helpers import ROOT, assert_equal
 from processes import run_command
 
 import dgrad
-from dgrad import benchmark, models
+from dgrad import benchmark, benchmark_command, models
 from dgrad.benchmark import state_bytes_per_device
 
 
@@ -194,6 +196,19 @@ def test_the_benchmark_times_the_training_command_beside_the_engine():
     rows = [line.split("|") for line in output.splitlines() if line.startswith("| 1f1b M=2 ")]
     assert [row[2].strip() for row in rows] == ["one process", "2 processes pinned"], output
     assert all(re.fullmatch(r" [\d.]+ \[[\d.]+-[\d.]+\] ", row[5]) for row in rows), rows
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_failing_training_command_raises_with_its_output(tmp_path, processes):
+    """The command's side of `--against-command` stops at once when the command fails, in
+    one process and on pinned processes (`launch_local`), and says what it printed."""
+    layout = benchmark_command.Layout.of(2)[processes - 1]
+    flags = ["--config", "experiments/configs/default.py:smoke", "--config.no_such_field=1"]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)failed \(status 2.*no_such_field"):
+        benchmark_command.run_command(flags, layout, str(tmp_path), timeout_s=240)
+    assert time.monotonic() - start < 120
+    assert os.listdir(tmp_path) == []  # nothing written for a refused run
 
 
 @pytest.mark.slow
