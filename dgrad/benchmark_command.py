@@ -106,7 +106,8 @@ def refusal(model: str, image_size: int, num_stages: int, epochs: int) -> str | 
 
 def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examples: int):
     """The training command's flags for the benchmark's ResNet `spec` and `case`: synthetic
-    32px images, the benchmark's cuts, no baseline beside the method.
+    32px images, cut by `spec["split"]` (default balanced) as the engine's side is, no
+    baseline beside the method.
 
     >>> spec = {"model": "resnet20", "width": 16, "batch_size": 64, "stages": 2}
     >>> flags = command_flags(spec, Case("1f1b", 4), epochs=3, steps=40, eval_examples=256)
@@ -122,7 +123,7 @@ def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examp
         "--config.model.name=cifar_resnet",
         f"--config.model.depth={int(model[len('resnet') :])}",
         f"--config.model.width={spec.get('width', 16)}",
-        "--config.split=balanced",
+        f"--config.split={spec.get('split', 'balanced')}",
         f"--config.method={case.method}",
         f"--config.num_stages={spec['stages']}",
         "--config.baseline=",

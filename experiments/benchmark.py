@@ -78,8 +78,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--split",
         choices=["profiled", "balanced", "authors", "auto"],
-        default="profiled",
-        help="profiled: balance measured block times (default); balanced: multiply-adds",
+        default=None,
+        help="profiled: balance measured block times (default; balanced with "
+        "--against-command, which cuts as the training command does); balanced: multiply-adds",
     )
     parser.add_argument("--windows", type=int, default=9, help="timed rounds (default 9)")
     parser.add_argument("--steps", type=int, default=6, help="steps per timed window")
@@ -165,6 +166,12 @@ def parse_args(argv=None):
         refused = refusal(args.model, args.image_size, k, args.command_epochs)
         if refused:
             parser.error(refused)
+        if args.split == "profiled":
+            parser.error(
+                "--against-command cuts as the training command can: --split balanced, "
+                "authors or auto"
+            )
+    args.split = args.split or ("balanced" if args.against_command else "profiled")
     if args.processes is not None and args.processes < 2:
         parser.error("--processes needs 2 or more (one stage per process)")
     parts = args.microbatches if set(args.methods) & set(MICROBATCHED) else [1]
@@ -267,7 +274,7 @@ def across(args):
     """`--processes K`: the pipeline across processes beside one process and fused BP."""
     import numpy as np
 
-    from dgrad import balance, benchmark_across, models
+    from dgrad import balance, benchmark_across
     from dgrad import benchmark as bench
 
     k = args.processes
@@ -276,13 +283,7 @@ def across(args):
     if args.split == "profiled":
         costs = balance.profile_blocks(chain.modules, _batch(args)[0], repeats=5)
         print("# block forward+backward ms: " + " ".join(f"{1e3 * c:.1f}" for c in costs))
-    cuts = models.choose_cuts(
-        balance.balanced_cuts(costs, k) if args.split == "profiled" else args.split,
-        k,
-        costs,
-        chain.authors,
-        model=args.model,
-    )
+    cuts = cuts_for(args, chain, costs, k)
     ceiling = balance.speedup_ceiling(costs, cuts)
     method = "fdg" if "fdg" in args.methods else args.methods[0]
     spec = {
@@ -325,12 +326,12 @@ def against_command(args):
     import numpy as np
 
     from dgrad import benchmark as bench
-    from dgrad import benchmark_command, models
+    from dgrad import benchmark_command
 
     (k,) = args.stages
     chain = blocks_of(args)
-    cuts = models.choose_cuts("balanced", k, chain.costs, chain.authors, model=args.model)
-    spec = {**spec_of(args), "stages": k, "cuts": list(cuts)}
+    cuts = cuts_for(args, chain, chain.costs, k)
+    spec = {**spec_of(args), "stages": k, "cuts": list(cuts), "split": args.split}
     cases = [
         benchmark_command.Case(method, m)
         for method in args.methods
@@ -359,6 +360,19 @@ def against_command(args):
             f"{np.median(found.eval_seconds):.2f} | {np.median(found.checkpoint_seconds):.2f} |"
         )
     return measured
+
+
+def cuts_for(args, chain, costs, k: int) -> list[int]:
+    """Where `--split` cuts the model's blocks (`costs` each) into `k` stages; a split
+    the model does not have is one line and exit 2."""
+    from dgrad import balance, models
+
+    split = balance.balanced_cuts(costs, k) if args.split == "profiled" else args.split
+    try:
+        return models.choose_cuts(split, k, costs, chain.authors, model=args.model)
+    except ValueError as error:
+        print(f"error: --split {args.split}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _batch(args):
@@ -426,13 +440,7 @@ def main(argv=None):
         costs = balance.profile_blocks(chain.modules, batch[0], repeats=5)
         print("# block forward+backward ms: " + " ".join(f"{1e3 * c:.1f}" for c in costs))
     split = {
-        k: models.choose_cuts(
-            balance.balanced_cuts(costs, k) if args.split == "profiled" else args.split,
-            k,
-            costs,
-            chain.authors,
-            model=args.model,
-        )
+        k: cuts_for(args, chain, costs, k)
         for k in sorted({1, *ks, *(k * v for k in ks for v in args.virtual_stages)})
         if k <= len(chain.modules)  # K = 1: the plain JAX floor and fused BP; K*V chunks
     }

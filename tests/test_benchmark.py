@@ -88,6 +88,7 @@ def test_the_quick_mode_sets_defaults_that_given_flags_change():
         (["--against-command", "--model=mlp", "--stages=2"], "times CIFAR ResNets"),
         (["--against-command", "--stages=1,2"], "needs one K of 2 or more"),
         (["--against-command", "--stages=2", "--command-epochs=1"], "at least 2"),
+        (["--against-command", "--stages=2", "--split=profiled"], "cuts as the training command"),
     ],
 )
 def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
@@ -96,6 +97,30 @@ def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
         parse_args(flags)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_split_the_model_lacks_is_one_line():
+    """The papers give ResNet-20 no split into 3 stages: one line, exit 2, no traceback."""
+    status, output = run_command(
+        [
+            sys.executable,
+            "-m",
+            "experiments.benchmark",
+            "--model=resnet20",
+            "--split=authors",
+            "--stages=3",
+            "--methods=fdg",
+        ],
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert status == 2 and "Traceback" not in output, output
+    assert errors == [
+        "error: --split authors: The papers give no split of resnet20 into 3 stages (they give "
+        "K in none); use split='balanced' or explicit cuts."
+    ], output
 
 
 @pytest.mark.slow
