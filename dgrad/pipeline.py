@@ -454,7 +454,8 @@ class Pipeline:
         k, stage = call.stage, work.stages[call.stage]
         message = work.activations.pop((k, call.unit))
         params = stage.previous if call.previous else stage.params
-        y, rest, record = self._calls[k].forward(params, stage.rest, stage.opt_state, message.value)
+        opt_state = self.stages[k].forward_reads(stage.opt_state)
+        y, rest, record = self._calls[k].forward(params, stage.rest, opt_state, message.value)
         work.stages[k] = stage.replace(rest=rest).keep(record, call.unit)
         self._send_on(k, work, call.unit, y, message.labels)
 
@@ -482,14 +483,15 @@ class Pipeline:
         k, treedef = call.stage, self.specs[call.stage].residual_treedef
         received = work.cotangents.pop((k, call.unit))
         record, stage = work.stages[k].take(call.unit, k)
+        params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
         if call.apply:
             params, opt_state, cotangent = self._calls[k].backward_update(
-                stage.params, stage.rest, stage.opt_state, record, received.value, treedef
+                stage.params, rest, stage.opt_state, record, received.value, treedef
             )
             stage = stage.replace(params=params, opt_state=opt_state)
         else:
             work.gradients[k], cotangent = self._calls[k].backward_sum(
-                stage.params, stage.rest, record, received.value, work.gradients.get(k), treedef
+                params, rest, record, received.value, work.gradients.get(k), treedef
             )
         work.stages[k] = stage
         self._send_back(k, work, call.unit, cotangent)
@@ -498,9 +500,8 @@ class Pipeline:
         k, treedef = call.stage, self.specs[call.stage].residual_treedef
         received = work.cotangents.pop((k, call.unit))
         record, stage = work.stages[k].take(call.unit, k)
-        cotangent = self._calls[k].backward_input(
-            stage.params, stage.rest, record, received.value, treedef
-        )
+        params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
+        cotangent = self._calls[k].backward_input(params, rest, record, received.value, treedef)
         work.stages[k] = stage
         work.weights_due[(k, call.unit)] = (record, received.value)
         self._send_back(k, work, call.unit, cotangent)
@@ -508,9 +509,10 @@ class Pipeline:
     def _do_weight_gradient(self, call: WeightGradient, work: _Work) -> None:
         k, stage = call.stage, work.stages[call.stage]
         record, cotangent = work.weights_due.pop((k, call.unit))
+        params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
         work.gradients[k] = self._calls[k].backward_weights(
-            stage.params,
-            stage.rest,
+            params,
+            rest,
             record,
             cotangent,
             work.gradients.get(k),

@@ -298,6 +298,32 @@ class StageFunctions:
             )
         )
 
+    def forward_reads(self, opt_state):
+        """The optimizer state `forward` reads: `opt_state` where the stage predicts the
+        weights it forwards with, else None. A leaf a compiled call never reads still
+        costs the host its share of every dispatch.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1, momentum=0.9))
+        >>> fns.forward_reads(fns.optimizer.init(fns.params)) is None  # no weight prediction
+        True
+        """
+        return opt_state if self.predict_ahead else None
+
+    def backward_reads(self, params, rest):
+        """The weights and statistics a backward reads besides its record: the current ones
+        where the record replays the forward (memory="recompute"), else none (None, None),
+        since a record of the forward's VJP holds all the backward needs.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+        >>> fns.backward_reads(fns.params, fns.rest)  # memory="keep": the VJP's leaves suffice
+        (None, None)
+        """
+        return (params, rest) if self.options.memory == "recompute" else (None, None)
+
     def residual_treedef(self, params, rest, x):
         """The structure of the VJP whose leaves `forward` keeps (for shapes `x` of the input).
 
