@@ -471,7 +471,7 @@ class Pipeline:
             record,
             received.value,
             message.value,
-            self.specs[k].residual_treedef,
+            self.specs[k].residual_layout,
             call.update_first,
         )
         stage = stage.replace(params=params, rest=rest, opt_state=opt_state)
@@ -480,28 +480,28 @@ class Pipeline:
         self._send_on(k, work, call.forward, y, message.labels)
 
     def _do_backward(self, call: Backward, work: _Work) -> None:
-        k, treedef = call.stage, self.specs[call.stage].residual_treedef
+        k, layout = call.stage, self.specs[call.stage].residual_layout
         received = work.cotangents.pop((k, call.unit))
         record, stage = work.stages[k].take(call.unit, k)
         params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
         if call.apply:
             params, opt_state, cotangent = self._calls[k].backward_update(
-                stage.params, rest, stage.opt_state, record, received.value, treedef
+                stage.params, rest, stage.opt_state, record, received.value, layout
             )
             stage = stage.replace(params=params, opt_state=opt_state)
         else:
             work.gradients[k], cotangent = self._calls[k].backward_sum(
-                params, rest, record, received.value, work.gradients.get(k), treedef
+                params, rest, record, received.value, work.gradients.get(k), layout
             )
         work.stages[k] = stage
         self._send_back(k, work, call.unit, cotangent)
 
     def _do_input_gradient(self, call: InputGradient, work: _Work) -> None:
-        k, treedef = call.stage, self.specs[call.stage].residual_treedef
+        k, layout = call.stage, self.specs[call.stage].residual_layout
         received = work.cotangents.pop((k, call.unit))
         record, stage = work.stages[k].take(call.unit, k)
         params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
-        cotangent = self._calls[k].backward_input(params, rest, record, received.value, treedef)
+        cotangent = self._calls[k].backward_input(params, rest, record, received.value, layout)
         work.stages[k] = stage
         work.weights_due[(k, call.unit)] = (record, received.value)
         self._send_back(k, work, call.unit, cotangent)
@@ -516,7 +516,7 @@ class Pipeline:
             record,
             cotangent,
             work.gradients.get(k),
-            self.specs[k].residual_treedef,
+            self.specs[k].residual_layout,
         )
 
     def _do_loss_input(self, call: LossInput, work: _Work) -> None:

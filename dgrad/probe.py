@@ -106,7 +106,7 @@ class Probe:
             return None, stage.params
         record, received = stage.take(batch, k)[0], state.cotangents[k]
         grads = calls.gradient(
-            record, stage.params, stage.rest, received.value, pipe.specs[k].residual_treedef
+            record, stage.params, stage.rest, received.value, pipe.specs[k].residual_layout
         )
         forward_weights = getattr(record, "params", None)
         if forward_weights is None:

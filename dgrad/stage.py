@@ -40,9 +40,9 @@ cotangents split along the batch.
 >>> y, rest, record = fns.calls.forward(params, rest, opt_state, jnp.ones((4, 3)))
 >>> type(record).__name__, y.shape
 ('Residuals', (4, 2))
->>> treedef = fns.residual_treedef(params, rest, jnp.ones((4, 3)))
+>>> layout = fns.residual_layout(params, rest, jnp.ones((4, 3)))
 >>> params, opt_state, cotangent = fns.calls.backward_update(
-...     params, rest, opt_state, record, jnp.ones_like(y), treedef)
+...     params, rest, opt_state, record, jnp.ones_like(y), layout)
 >>> cotangent is None  # the first stage sends no cotangent
 True
 """
@@ -68,7 +68,7 @@ LossFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, dict[str, jax.Array]]
 class Residuals:
     """The leaves of the forward's VJP, and the weights that forward used.
 
-    The VJP is rebuilt from its leaves with the stage's `residual_treedef`; its
+    The VJP is rebuilt from its leaves with the stage's `residual_layout`; its
     leaves hold whatever the backward needs of the weights. `params` is kept for
     the update's `stale_params` only where the stage's optimizer reads them
     (`dgrad.optim.reads_stale_params`, e.g. delay compensation) or the probe
@@ -128,6 +128,133 @@ class StashedInputs:
 
 Record = Residuals | Inputs | StashedInputs
 
+PACKED_BYTES = 1 << 16  # the largest leaf a record packs (see ResidualLayout)
+
+
+class ResidualLayout:
+    """How a forward's VJP travels as a `Residuals` record: the VJP's structure, which of
+    its leaves grow with the batch, and which travel packed, one flat array per dtype.
+
+    A compiled call costs the host a share of its dispatch for every leaf it takes or
+    gives back, and a VJP has many small leaves (a ResNet stage's per-channel statistics
+    and scales: 63 of its 108 leaves hold 0.1 MiB of 34). The small ones that do not grow
+    with the batch (at most `PACKED_BYTES` each) are kept concatenated; `unpack` cuts
+    them out again, exactly. Tracing is deterministic, so every forward of the same shapes
+    gives the same layout; it is a static argument of the backward calls, hashed once.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> fns = StageFunctions(nnx.BatchNorm(3, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+    >>> x = jnp.ones((8, 3))
+    >>> layout = fns.residual_layout(fns.params, fns.rest, x)
+    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, None, x)
+    >>> layout.num_leaves, len(record.residuals)  # six small leaves kept in one array
+    (8, 3)
+    >>> vjp = layout.unpack(record.residuals)  # the VJP again, to back-propagate through
+    >>> grads, dx = vjp(jnp.ones((8, 3)))
+    >>> sorted(grads), dx.shape
+    (['bias', 'scale'], (8, 3))
+    """
+
+    __slots__ = ("treedef", "batch_major", "packed", "_key", "_hash")
+
+    def __init__(self, treedef, batch_major=None, packed=()):
+        self.treedef = treedef
+        self.batch_major = tuple(batch_major or (False,) * treedef.num_leaves)
+        self.packed = tuple(packed)  # (leaf index, shape, dtype) of each packed leaf
+        self._key = (treedef, self.batch_major, self.packed)
+        self._hash = hash(self._key)
+
+    @classmethod
+    def of(cls, shapes, twice, rows: int):
+        """The layout of a VJP given as shapes: `shapes` for a batch of `rows`, `twice` for
+        one of 2 * `rows`. A leaf is batch-major when its first axis is the batch's in both
+        (a weight of that length stays whole).
+
+        >>> import jax, jax.numpy as jnp
+        >>> shapes = [jax.ShapeDtypeStruct((4, 3), jnp.float32),  # grows with the batch
+        ...           jax.ShapeDtypeStruct((3,), jnp.float32)]
+        >>> twice = [jax.ShapeDtypeStruct((8, 3), jnp.float32), shapes[1]]
+        >>> layout = ResidualLayout.of(shapes, twice, rows=4)
+        >>> layout.batch_major, layout.packed
+        ((True, False), ((1, (3,), dtype('float32')),))
+        """
+        leaves, treedef = jax.tree.flatten(shapes)
+        doubled = jax.tree.leaves(twice)
+        batch_major = [
+            bool(a.shape) and a.shape[0] == rows and b.shape[0] == 2 * rows
+            for a, b in zip(leaves, doubled)
+        ]
+        packed = [
+            (i, tuple(a.shape), np.dtype(a.dtype))
+            for i, (a, b) in enumerate(zip(leaves, doubled))
+            if a.shape == b.shape
+            and np.prod(a.shape, dtype=int) * np.dtype(a.dtype).itemsize <= PACKED_BYTES
+        ]
+        return cls(treedef, batch_major, packed)
+
+    @property
+    def num_leaves(self) -> int:
+        """How many leaves the VJP has (a record holds fewer where some are packed).
+
+        >>> import jax, jax.numpy as jnp
+        >>> ResidualLayout(jax.tree.structure([1, 2])).num_leaves
+        2
+        """
+        return self.treedef.num_leaves
+
+    def _dtypes(self):
+        return list(dict.fromkeys(dtype for _, _, dtype in self.packed))
+
+    def pack(self, leaves: list) -> list:
+        """The record's arrays: the leaves not packed, in order, then one flat array per dtype.
+
+        >>> import jax, jax.numpy as jnp
+        >>> layout = ResidualLayout(jax.tree.structure([0, 0]), packed=[(1, (2,), jnp.float32)])
+        >>> layout.pack([jnp.zeros((4, 3)), jnp.ones(2)])[1]
+        Array([1., 1.], dtype=float32)
+        """
+        if not self.packed:
+            return list(leaves)
+        inside = {i for i, _, _ in self.packed}
+        kept = [leaf for i, leaf in enumerate(leaves) if i not in inside]
+        flats = [
+            jnp.concatenate([jnp.ravel(leaves[i]) for i, _, d in self.packed if d == dtype])
+            for dtype in self._dtypes()
+        ]
+        return kept + flats
+
+    def unpack(self, stored: list):
+        """The VJP whose leaves `pack` stored as `stored`.
+
+        >>> import jax, jax.numpy as jnp
+        >>> layout = ResidualLayout(jax.tree.structure([0, 0]), packed=[(1, (2,), jnp.float32)])
+        >>> layout.unpack(layout.pack([jnp.zeros(3), jnp.ones(2)]))
+        [Array([0., 0., 0.], dtype=float32), Array([1., 1.], dtype=float32)]
+        """
+        if not self.packed:
+            return jax.tree.unflatten(self.treedef, stored)
+        dtypes = self._dtypes()
+        kept, flats = stored[: len(stored) - len(dtypes)], stored[len(stored) - len(dtypes) :]
+        flat_of, offsets, leaves = dict(zip(dtypes, flats)), dict.fromkeys(dtypes, 0), {}
+        for i, shape, dtype in self.packed:
+            size = int(np.prod(shape, dtype=int))
+            start = offsets[dtype]
+            leaves[i] = flat_of[dtype][start : start + size].reshape(shape)
+            offsets[dtype] = start + size
+        kept = iter(kept)
+        ordered = [leaves[i] if i in leaves else next(kept) for i in range(self.num_leaves)]
+        return jax.tree.unflatten(self.treedef, ordered)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (isinstance(other, ResidualLayout) and self._key == other._key)
+
+    def __repr__(self):
+        return f"ResidualLayout({self.num_leaves} leaves, {len(self.packed)} packed)"
+
 
 class Calls(NamedTuple):
     """A stage's jitted functions (see the module docstring for what each does).
@@ -137,9 +264,9 @@ class Calls(NamedTuple):
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
     >>> opt_state = fns.optimizer.init(fns.params)
     >>> y, rest, record = fns.calls.forward(fns.params, fns.rest, opt_state, jnp.ones((4, 3)))
-    >>> treedef = fns.residual_treedef(fns.params, fns.rest, jnp.ones((4, 3)))
+    >>> layout = fns.residual_layout(fns.params, fns.rest, jnp.ones((4, 3)))
     >>> grads, _ = fns.calls.backward_sum(fns.params, fns.rest, record, jnp.ones_like(y), None,
-    ...                                   treedef)
+    ...                                   layout)
     >>> grads["bias"]  # d(sum of outputs)/d(bias): one per row of the batch
     Array([4., 4.], dtype=float32)
     """
@@ -324,23 +451,24 @@ class StageFunctions:
         """
         return (params, rest) if self.options.memory == "recompute" else (None, None)
 
-    def residual_treedef(self, params, rest, x):
-        """The structure of the VJP whose leaves `forward` keeps (for shapes `x` of the input).
-
-        Tracing is deterministic, so every forward of these shapes gives VJP
-        leaves of this structure; the backward rebuilds the VJP with it.
+    def residual_layout(self, params, rest, x) -> ResidualLayout:
+        """How `forward` keeps the VJP of a forward of `x` (shapes suffice): see
+        `ResidualLayout`. The backward rebuilds the VJP with it.
 
         >>> import jax, jax.numpy as jnp, optax
         >>> from flax import nnx
-        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
         >>> x = jnp.ones((4, 3))
-        >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
-        ...                                  x)
-        >>> treedef = fns.residual_treedef(fns.params, fns.rest, x)
-        >>> treedef.num_leaves == len(record.residuals)  # the VJP rebuilt from the kept leaves
-        True
+        >>> _, _, record = fns.calls.forward(fns.params, fns.rest, None, x)
+        >>> layout = fns.residual_layout(fns.params, fns.rest, x)
+        >>> layout.batch_major  # the kernel does not grow with the batch; the input does
+        (False, True)
+        >>> jax.tree.map(jnp.shape, record.residuals)  # the kernel (3 x 2) kept flat
+        [(4, 3), (6,)]
         """
-        return jax.tree.structure(self._vjp_shapes(params, rest, x))
+        rows = jnp.shape(x)[0]
+        twice = self._vjp_shapes(params, rest, x, 2 * rows)
+        return ResidualLayout.of(self._vjp_shapes(params, rest, x), twice, rows)
 
     def _vjp_shapes(self, params, rest, x, batch_size=None):
         """The VJP of a forward of `x` (with `batch_size` rows, default x's) as shapes."""
@@ -349,22 +477,16 @@ class StageFunctions:
             x = x.update(shape=(batch_size, *x.shape[1:]))
         return jax.eval_shape(lambda p, r, h: self._vjp(p, r, h)[1], params, rest, x)
 
-    def _split_like_the_batch(self, residuals, params, rest, x):
+    def _split_like_the_batch(self, residuals, layout: ResidualLayout):
         """`residuals` with every leaf that grows with the batch split along it.
 
-        Left alone, the compiler may replicate such a leaf on every replica. A leaf
-        is batch-major when its first axis is the batch's in a forward of this
-        batch and of one twice its size (a weight of that length stays whole).
+        Left alone, the compiler may replicate such a leaf on every replica.
         """
         if self.sharded is None or len(self.sharded.device_set) == 1:
             return residuals  # nothing to split
-        rows = jnp.shape(x)[0]
-        twice = jax.tree.leaves(self._vjp_shapes(params, rest, x, 2 * rows))
         return [
-            _constrain(leaf, self.sharded)
-            if jnp.ndim(leaf) and leaf.shape[0] == rows and double.shape[0] == 2 * rows
-            else leaf
-            for leaf, double in zip(residuals, twice)
+            _constrain(leaf, self.sharded) if grows else leaf
+            for leaf, grows in zip(residuals, layout.batch_major)
         ]
 
     # ------------------------------------------------------- pure functions
@@ -432,16 +554,16 @@ class StageFunctions:
                 record = StashedInputs(inputs, params, rest)
         else:
             y, vjp, new_rest = self._vjp(params, rest, x)
-            residuals = self._split_like_the_batch(jax.tree.leaves(vjp), params, rest, x)
+            layout = self.residual_layout(params, rest, x)
+            residuals = layout.pack(self._split_like_the_batch(jax.tree.leaves(vjp), layout))
             record = Residuals(residuals, params if self.keeps_forward_weights else None)
         return _constrain(y, self.sharded), _constrain(new_rest, self.replicated), record
 
-    def _backward(self, record: Record, params, rest, cotangent, treedef):
-        """The parameter gradient and input cotangent of `record`'s batch (`treedef`: see
-        `residual_treedef`; used for `Residuals`)."""
+    def _backward(self, record: Record, params, rest, cotangent, layout):
+        """The parameter gradient and input cotangent of `record`'s batch (`layout`: see
+        `residual_layout`; used for `Residuals`)."""
         if isinstance(record, Residuals):
-            vjp = jax.tree.unflatten(treedef, record.residuals)
-            cotangents = vjp(cotangent)
+            cotangents = layout.unpack(record.residuals)(cotangent)
         else:
             if isinstance(record, StashedInputs):
                 params, rest = record.params, record.rest
@@ -449,57 +571,55 @@ class StageFunctions:
         grads, input_cotangent = (cotangents[0], None) if self.first else cotangents
         return grads, _constrain(input_cotangent, self.sharded)
 
-    def _gradient(self, record: Record, params, rest, cotangent, treedef=None):
+    def _gradient(self, record: Record, params, rest, cotangent, layout=None):
         """The parameter gradient of `record`'s batch (what `backward_update` applies)."""
-        return self._backward(record, params, rest, cotangent, treedef)[0]
+        return self._backward(record, params, rest, cotangent, layout)[0]
 
     @staticmethod
     def _stale(record: Record):
         """The weights `record`'s gradient is taken at; None means the current ones."""
         return None if isinstance(record, Inputs) else record.params
 
-    def _backward_update(self, params, rest, opt_state, record, cotangent, treedef=None):
+    def _backward_update(self, params, rest, opt_state, record, cotangent, layout=None):
         """Back-propagates `record`'s batch and updates; returns the input cotangent too."""
-        grads, input_cotangent = self._backward(record, params, rest, cotangent, treedef)
+        grads, input_cotangent = self._backward(record, params, rest, cotangent, layout)
         params, opt_state = self.apply_optimizer(params, opt_state, grads, self._stale(record))
         return params, opt_state, input_cotangent
 
-    def _backward_sum(self, params, rest, record, cotangent, grad_sum, treedef=None):
+    def _backward_sum(self, params, rest, record, cotangent, grad_sum, layout=None):
         """Back-propagates `record`'s batch; returns `grad_sum` plus its parameter gradient
         (the gradient alone where `grad_sum` is None) and the input cotangent."""
-        grads, input_cotangent = self._backward(record, params, rest, cotangent, treedef)
+        grads, input_cotangent = self._backward(record, params, rest, cotangent, layout)
         if grad_sum is not None:
             grads = jax.tree.map(jnp.add, grad_sum, grads)
         return _constrain(grads, self.replicated), input_cotangent
 
-    def _backward_input(self, params, rest, record, cotangent, treedef=None):
+    def _backward_input(self, params, rest, record, cotangent, layout=None):
         """The input cotangent of `record`'s batch alone (zero-bubble's B)."""
-        return self._backward(record, params, rest, cotangent, treedef)[1]
+        return self._backward(record, params, rest, cotangent, layout)[1]
 
-    def _backward_weights(self, params, rest, record, cotangent, grad_sum, treedef=None):
+    def _backward_weights(self, params, rest, record, cotangent, grad_sum, layout=None):
         """`grad_sum` plus the parameter gradient of `record`'s batch alone (zero-bubble's
         W); `record` may be the last stage's `loss_input` VJP, `cotangent` its seed."""
-        return self._backward_sum(params, rest, record, cotangent, grad_sum, treedef)[0]
+        return self._backward_sum(params, rest, record, cotangent, grad_sum, layout)[0]
 
     def _apply_sum(self, params, opt_state, grad_sum, count, stale_params=None):
         """One update with the mean of the `count` gradients in `grad_sum`."""
         grads = jax.tree.map(lambda g: g / count, grad_sum)
         return self.apply_optimizer(params, opt_state, grads, stale_params)
 
-    def _step(
-        self, params, rest, opt_state, record, cotangent, x, treedef=None, update_first=False
-    ):
+    def _step(self, params, rest, opt_state, record, cotangent, x, layout=None, update_first=False):
         """Backward + update of `record`'s batch and forward of `x`, the update first if
         `update_first` (FDG), else the forward first (DDG)."""
         if update_first:
             params, opt_state, input_cotangent = self._backward_update(
-                params, rest, opt_state, record, cotangent, treedef
+                params, rest, opt_state, record, cotangent, layout
             )
             y, rest, kept = self._forward(params, rest, opt_state, x)
         else:
             y, rest, kept = self._forward(params, rest, opt_state, x)
             params, opt_state, input_cotangent = self._backward_update(
-                params, rest, opt_state, record, cotangent, treedef
+                params, rest, opt_state, record, cotangent, layout
             )
         return params, rest, opt_state, input_cotangent, y, kept
 
@@ -562,8 +682,8 @@ class StageFunctions:
 
         return jax.vjp(loss, params, x, has_aux=True)
 
-    def loss_residual_treedef(self, params, rest, x, labels):
-        """The structure of the VJP whose leaves `loss_input` keeps.
+    def loss_residual_layout(self, params, rest, x, labels) -> ResidualLayout:
+        """How `loss_input` keeps the loss's VJP: all its leaves as they are.
 
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
@@ -572,12 +692,14 @@ class StageFunctions:
         ...                      loss_fn=losses.softmax_cross_entropy)
         >>> x, labels = jnp.ones((4, 3)), jnp.array([0, 1, 0, 1])
         >>> record, *_ = fns.calls.loss_input(fns.params, fns.rest, x, labels, None, True)
-        >>> fns.loss_residual_treedef(fns.params, fns.rest, x, labels).num_leaves == len(
+        >>> fns.loss_residual_layout(fns.params, fns.rest, x, labels).num_leaves == len(
         ...     record.residuals)
         True
         """
         shapes = jax.tree.map(shape_dtype, (params, rest, x, labels))
-        return jax.tree.structure(jax.eval_shape(lambda *a: self._loss_vjp(*a)[1], *shapes))
+        return ResidualLayout(
+            jax.tree.structure(jax.eval_shape(lambda *a: self._loss_vjp(*a)[1], *shapes))
+        )
 
     def _loss_input(self, params, rest, x, labels, metric_sum, finite):
         """The last stage's loss and input cotangent, its metrics added to `metric_sum`

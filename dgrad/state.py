@@ -148,7 +148,7 @@ class StageSpec:
     inputs: jax.ShapeDtypeStruct
     outputs: jax.ShapeDtypeStruct | None  # None for the last stage
     record: Record | None  # of ShapeDtypeStructs; None for the last stage
-    residual_treedef: Any = None  # see StageFunctions.residual_treedef
+    residual_layout: Any = None  # see StageFunctions.residual_layout
 
 
 def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageSpec]:
@@ -170,19 +170,19 @@ def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageS
         try:
             if k == last:
                 jax.eval_shape(fns._loss_and_backward, fns.params, fns.rest, shape, labels)
-                treedef = None
+                layout = None
                 if fns.options.method == "zb" and k > 0:  # its W back-propagates the loss's VJP
-                    treedef = fns.loss_residual_treedef(fns.params, fns.rest, shape, labels)
-                specs.append(StageSpec(shape, None, None, treedef))
+                    layout = fns.loss_residual_layout(fns.params, fns.rest, shape, labels)
+                specs.append(StageSpec(shape, None, None, layout))
             else:
                 opt_state = jax.eval_shape(fns.optimizer.init, fns.params)
                 outputs, _, record = jax.eval_shape(
                     fns._forward, fns.params, fns.rest, opt_state, shape
                 )
-                treedef = None
+                layout = None
                 if isinstance(record, Residuals):
-                    treedef = fns.residual_treedef(fns.params, fns.rest, shape)
-                specs.append(StageSpec(shape, outputs, record, treedef))
+                    layout = fns.residual_layout(fns.params, fns.rest, shape)
+                specs.append(StageSpec(shape, outputs, record, layout))
                 shape = outputs
         except Exception as error:  # noqa: BLE001 -- re-raised with the stage named
             raise ValueError(
