@@ -8,6 +8,7 @@ from helpers import batches, run_pipeline
 
 import dgrad
 from dgrad.benchmark import state_bytes_per_device
+from dgrad.stage import ResidualLayout, StageFunctions
 
 SLOW = pytest.mark.slow
 
@@ -79,3 +80,64 @@ def test_kept_records_hold_the_weights_only_where_something_reads_them(method, m
     weights = sum(a.nbytes for a in jax.tree.leaves(plain.params))
     held = [sum(state_bytes_per_device(s).values()) for s in (plain, probed)]
     assert held[1] - held[0] == len(plain.kept) * weights
+
+
+def _resnet_stage_and_input():
+    from dgrad import models
+
+    first, second = models.cifar_resnet(8, num_stages=2, width=4)
+    x = jax.random.normal(jax.random.key(1), (4, 32, 32, 3))
+    return first, x
+
+
+def test_a_record_keeps_fewer_arrays_and_gives_the_vjp_bit_for_bit():
+    """Packing the VJP's small leaves changes how many arrays a record holds, never what
+    the backward computes: the unpacked VJP equals jax.vjp's own, to the bit."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    stage, x = _resnet_stage_and_input()
+    fns = StageFunctions(stage, optax.sgd(0.1), first=True)
+    y, _, record = fns.calls.forward(fns.params, fns.rest, None, x)
+    layout = fns.residual_layout(fns.params, fns.rest, x)
+    assert layout.packed and len(record.residuals) < layout.num_leaves
+    assert len(record.residuals) == layout.num_leaves - len(layout.packed) + 1  # one dtype
+
+    cotangent = jax.random.normal(jax.random.key(2), y.shape)
+    grads = layout.unpack(record.residuals)(cotangent)[0]
+    _, vjp = jax.vjp(lambda p: fns.apply(p, fns.rest, x)[0], fns.params)
+    expected = vjp(cotangent)[0]
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)
+
+    # control: the same arrays unpacked in another order give other gradients
+    swapped = ResidualLayout(layout.treedef, layout.batch_major, layout.packed[::-1])
+    wrong = swapped.unpack(record.residuals)(cotangent)[0]
+    assert any(
+        not jnp.array_equal(a, b) for a, b in zip(jax.tree.leaves(wrong), jax.tree.leaves(grads))
+    )
+
+
+def test_calls_take_only_what_they_read():
+    """A forward takes no optimizer state unless it predicts weights, and a backward from
+    kept residuals no weights: the engine's calls are called with None there."""
+    stage, x = _resnet_stage_and_input()
+    plain = StageFunctions(stage, optax.sgd(0.1, momentum=0.9), first=True)
+    opt_state = plain.optimizer.init(plain.params)
+    assert plain.forward_reads(opt_state) is None
+    assert plain.backward_reads(plain.params, plain.rest) == (None, None)
+    predicting = StageFunctions(
+        stage,
+        optax.sgd(0.1, momentum=0.9),
+        first=True,
+        options=dgrad.Options(predict="momentum", predict_lr=0.1),
+        staleness=2,
+    )
+    assert predicting.forward_reads(opt_state) is opt_state
+    replaying = StageFunctions(
+        stage, optax.sgd(0.1), first=True, options=dgrad.Options(memory="recompute")
+    )
+    assert replaying.backward_reads(replaying.params, replaying.rest) == (
+        replaying.params,
+        replaying.rest,
+    )
