@@ -538,7 +538,8 @@ def _mismatch(path, holds_or_lacks: str) -> ValueError:
         f"The checkpoint {holds_or_lacks} {'/'.join(path)} "
         f"{'beyond' if holds_or_lacks == 'holds' else 'of'} this pipeline's state: it was "
         "saved with other pipeline options (method, optimizer, predict, weights, memory, "
-        "accumulate, microbatches or probe_every). Resume with the options it was written with."
+        "accumulate, microbatches or probe_every), or by a dgrad that laid its kept records out "
+        "otherwise. Resume with the options and the dgrad it was written with."
     )
 
 
