@@ -308,7 +308,8 @@ class Checkpointer:
             _ignore_reads_left_behind()
             try:
                 target = self._target(pipe, meta)
-                restored = self._read_state(step, target)
+                layouts = [spec.residual_layout for spec in pipe.specs]
+                restored = self._read_state(step, target, layouts)
             except Exception as error:  # damaged arrays, or a state of another structure
                 failure = _one_line(error)
         failure = _first_failure(failure)
@@ -326,13 +327,14 @@ class Checkpointer:
             )
         return pipe.state_structure(meta["step"])
 
-    def _read_state(self, step: int, target: PipelineState) -> PipelineState:
-        """This process' part of checkpoint `step`'s state, placed as `target`."""
+    def _read_state(self, step: int, target: PipelineState, layouts=()) -> PipelineState:
+        """This process' part of checkpoint `step`'s state, placed as `target` (`layouts`:
+        each stage's `dgrad.stage.ResidualLayout`, for records saved unpacked)."""
         path = self._step_path(step) / "state"
         saved = self._state_reader.metadata(path).tree
         _check_parameters(saved, target)
         stored = jax.tree.map(placement.shared_target, target)
-        as_saved, back = _as_saved(stored, saved)
+        as_saved, back = _as_saved(stored, saved, layouts)
         restored = self._state_reader.restore(path, args=ocp.args.StandardRestore(as_saved))
         return placement.unshare(back(restored), target)
 
@@ -475,19 +477,25 @@ def _path(keys) -> tuple[str, ...]:
     )
 
 
-def _as_saved(stored, saved):
+def _as_saved(stored, saved, layouts=()):
     """`stored` (the target) in the shape of the `saved` metadata tree, and the function
     that maps what orbax restores in that shape back to `stored`'s.
 
-    Two kinds of older checkpoints restore into today's state:
+    Three kinds of older checkpoints restore into today's state:
     - written while dgrad held weights as `nnx.Variable`s: each weight is one level
       deeper, under `value`;
     - written while every kept record stashed the weights of its forward: a record's
       `params` that the target does not keep (nothing reads them, see
-      `dgrad.stage.Residuals`) are read like the stage's weights and dropped.
+      `dgrad.stage.Residuals`) are read like the stage's weights and dropped;
+    - written while a record held each leaf of its VJP apart: they are read as saved and
+      packed as stage k's `layouts[k]` packs them (`dgrad.stage.ResidualLayout`).
     """
     paths, treedef = jax.tree_util.tree_flatten_with_path(stored)
     wanted = {_path(keys): leaf for keys, leaf in paths}
+    saved_leaves = {
+        _path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
+    }
+    unpacked = _unpacked_records(wanted, saved_leaves, layouts)
 
     def target_of(path):  # the target's path that receives `path`'s array
         for candidate in (path, _weight_of_variable(path)):
@@ -498,6 +506,9 @@ def _as_saved(stored, saved):
     owner, dropped = {}, {}  # saved path -> the target's path of that array
     for keys, _ in jax.tree_util.tree_flatten_with_path(saved)[0]:
         path = _path(keys)
+        if path[:5] in unpacked:  # read as saved, packed in `back`
+            owner[path] = _packed_target(path, unpacked)
+            continue
         owner[path] = target_of(path)
         if owner[path] is None and _is_stashed_weight(path):
             _, stage, _, _, _, *weight = path  # stages/<k>/kept/<i>/params/<weight...>
@@ -511,20 +522,70 @@ def _as_saved(stored, saved):
             "checkpoint's records hold none (it was saved with another weights policy, "
             "probe_every or optimizer): resume with the options the run was saved with."
         )
+    missing -= {path for path in missing if path[:5] in unpacked}  # packed in `back`
     if missing:
         raise _mismatch(min(missing), "lacks")
-    if not dropped and all(path == own for path, own in owner.items()):
+    if not unpacked and not dropped and all(path == own for path, own in owner.items()):
         return stored, lambda restored: restored  # today's layout
-    as_saved = jax.tree_util.tree_map_with_path(
-        lambda keys, _: wanted[owner[_path(keys)] or dropped[_path(keys)]], saved
-    )
+
+    def abstract(path):  # how orbax is to read the saved array at `path`
+        if path[:5] in unpacked and owner[path] is None:  # a leaf today's record packs
+            replicated = _last_of(wanted, path[:5])  # a packed array: whole on each device
+            meta = saved_leaves[path]
+            shape, dtype = tuple(meta.shape), meta.dtype
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated.sharding)
+        return wanted[owner[path] or dropped[path]]
+
+    as_saved = jax.tree_util.tree_map_with_path(lambda keys, _: abstract(_path(keys)), saved)
     saved_at = {own: path for path, own in owner.items() if own is not None}
 
     def back(restored):
         at = {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
-        return treedef.unflatten([at[saved_at[path]] for path in wanted])
+        today = {path: at[saved] for path, saved in saved_at.items()}
+        for record, layout in unpacked.items():
+            leaves = [at[record + (str(j),)] for j in range(layout.num_leaves)]
+            for j, array in enumerate(layout.pack(leaves)):
+                today[record + (str(j),)] = array
+        return treedef.unflatten(
+            [jax.device_put(today[path], wanted[path].sharding) for path in wanted]
+        )
 
     return as_saved, back
+
+
+def _last_of(wanted, record):
+    """The last array today's `record` keeps: a packed one where its layout packs any."""
+    return wanted[max((p for p in wanted if p[:5] == record), key=lambda p: int(p[5]))]
+
+
+def _unpacked_records(wanted, saved_leaves, layouts) -> dict[tuple, Any]:
+    """The kept records (`stages/<k>/kept/<i>/residuals`) whose saved arrays are their VJP's
+    leaves one by one where today's record packs some, with stage k's layout."""
+    counts = {}
+    for path in saved_leaves:
+        if len(path) == 6 and path[2] == "kept" and path[4] == "residuals":
+            counts[path[:5]] = counts.get(path[:5], 0) + 1
+    unpacked = {}
+    for record, count in counts.items():
+        k = int(record[1])
+        layout = layouts[k] if k < len(layouts) else None
+        today = sum(1 for path in wanted if path[:5] == record)
+        if layout is not None and layout.packed and count == layout.num_leaves != today:
+            unpacked[record] = layout
+    return unpacked
+
+
+def _packed_target(path, unpacked) -> tuple[str, ...] | None:
+    """Where today's record keeps the VJP leaf that an unpacked record saved at `path`
+    (None where today's record packs it)."""
+    record = path[:5]
+    if record not in unpacked or len(path) != 6:
+        return None
+    layout, j = unpacked[record], int(path[5])
+    inside = {i for i, _, _ in layout.packed}
+    if j in inside:
+        return None
+    return record + (str(sum(1 for i in range(j) if i not in inside)),)
 
 
 def _mismatch(path, holds_or_lacks: str) -> ValueError:
@@ -538,8 +599,7 @@ def _mismatch(path, holds_or_lacks: str) -> ValueError:
         f"The checkpoint {holds_or_lacks} {'/'.join(path)} "
         f"{'beyond' if holds_or_lacks == 'holds' else 'of'} this pipeline's state: it was "
         "saved with other pipeline options (method, optimizer, predict, weights, memory, "
-        "accumulate, microbatches or probe_every), or by a dgrad that laid its kept records out "
-        "otherwise. Resume with the options and the dgrad it was written with."
+        "accumulate, microbatches or probe_every). Resume with the options it was written with."
     )
 
 
