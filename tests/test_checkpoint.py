@@ -153,6 +153,35 @@ def test_resumes_a_checkpoint_whose_records_stashed_weights_nothing_reads(tmp_pa
     assert_equal(run(fresh, resumed, data[SAVE_AT:]), uninterrupted)
 
 
+def test_resumes_a_checkpoint_whose_records_hold_each_vjp_leaf_apart(tmp_path):
+    """Until records packed the VJP's small arrays (dgrad.stage.ResidualLayout), a record
+    held every leaf apart; such a checkpoint resumes, packs them and continues exactly."""
+    data = batches("cnn", STEPS)
+    pipe = build_pipeline("cnn", 2, devices=jax.devices()[:2], method="fdg")
+    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
+    layout = pipe.specs[0].residual_layout
+    assert layout.packed  # BatchNorm's statistics and scales: packed today
+
+    def apart(stage):
+        return stage.replace(
+            kept=tuple(
+                r.replace(residuals=jax.tree.leaves(layout.unpack(r.residuals))) for r in stage.kept
+            )
+        )
+
+    old = state.replace(stages=(apart(state.stages[0]), state.stages[1]))
+    assert len(old.stages[0].kept[0].residuals) == layout.num_leaves
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(old, {"note": "mid-run"})
+    uninterrupted = jax.device_get(run(pipe, state, data[SAVE_AT:]))
+    fresh = build_pipeline("cnn", 2, devices=jax.devices()[2:4], method="fdg")
+    resumed = restored(tmp_path, fresh, data)
+    assert [len(r.residuals) for r in resumed.stages[0].kept] == [
+        layout.num_leaves - len(layout.packed) + 1
+    ] * 2
+    assert_equal(run(fresh, resumed, data[SAVE_AT:]), uninterrupted)
+
+
 def test_a_pipeline_that_keeps_weights_refuses_records_without_them(tmp_path):
     data = batches("mlp", 3)
     pipe = build_pipeline("mlp", 2, method="fdg")
