@@ -156,12 +156,17 @@ class ResidualLayout:
     (['bias', 'scale'], (8, 3))
     """
 
-    __slots__ = ("treedef", "batch_major", "packed", "_key", "_hash")
+    __slots__ = ("treedef", "batch_major", "packed", "_positions", "_key", "_hash")
 
     def __init__(self, treedef, batch_major=None, packed=()):
         self.treedef = treedef
         self.batch_major = tuple(batch_major or (False,) * treedef.num_leaves)
         self.packed = tuple(packed)  # (leaf index, shape, dtype) of each packed leaf
+        inside = {i for i, _, _ in self.packed}
+        apart = iter(range(treedef.num_leaves))  # the next position of a leaf kept apart
+        self._positions = tuple(
+            None if i in inside else next(apart) for i in range(treedef.num_leaves)
+        )
         self._key = (treedef, self.batch_major, self.packed)
         self._hash = hash(self._key)
 
@@ -203,6 +208,26 @@ class ResidualLayout:
         """
         return self.treedef.num_leaves
 
+    @property
+    def num_stored(self) -> int:
+        """How many arrays a record holds: the leaves kept apart, then one per packed dtype.
+
+        >>> import jax, jax.numpy as jnp
+        >>> ResidualLayout(jax.tree.structure([0, 0]), packed=[(1, (2,), jnp.float32)]).num_stored
+        2
+        """
+        return self.num_leaves - len(self.packed) + len(self._dtypes())
+
+    def position(self, i: int) -> int | None:
+        """Where the VJP's leaf `i` stands among a record's arrays; None where it is packed.
+
+        >>> import jax, jax.numpy as jnp
+        >>> layout = ResidualLayout(jax.tree.structure([0, 0, 0]), packed=[(1, (2,), jnp.float32)])
+        >>> [layout.position(i) for i in range(3)]
+        [0, None, 1]
+        """
+        return self._positions[i]
+
     def _dtypes(self):
         return list(dict.fromkeys(dtype for _, _, dtype in self.packed))
 
@@ -216,8 +241,7 @@ class ResidualLayout:
         """
         if not self.packed:
             return list(leaves)
-        inside = {i for i, _, _ in self.packed}
-        kept = [leaf for i, leaf in enumerate(leaves) if i not in inside]
+        kept = [leaf for leaf, at in zip(leaves, self._positions) if at is not None]
         flats = [
             jnp.concatenate([jnp.ravel(leaves[i]) for i, _, d in self.packed if d == dtype])
             for dtype in self._dtypes()
@@ -235,15 +259,14 @@ class ResidualLayout:
         if not self.packed:
             return jax.tree.unflatten(self.treedef, stored)
         dtypes = self._dtypes()
-        kept, flats = stored[: len(stored) - len(dtypes)], stored[len(stored) - len(dtypes) :]
-        flat_of, offsets, leaves = dict(zip(dtypes, flats)), dict.fromkeys(dtypes, 0), {}
+        flat_of = dict(zip(dtypes, stored[len(stored) - len(dtypes) :]))
+        offsets, leaves = dict.fromkeys(dtypes, 0), {}
         for i, shape, dtype in self.packed:
             size = int(np.prod(shape, dtype=int))
             start = offsets[dtype]
             leaves[i] = flat_of[dtype][start : start + size].reshape(shape)
             offsets[dtype] = start + size
-        kept = iter(kept)
-        ordered = [leaves[i] if i in leaves else next(kept) for i in range(self.num_leaves)]
+        ordered = [leaves[i] if at is None else stored[at] for i, at in enumerate(self._positions)]
         return jax.tree.unflatten(self.treedef, ordered)
 
     def __hash__(self):

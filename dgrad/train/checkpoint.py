@@ -495,7 +495,7 @@ def _as_saved(stored, saved, layouts=()):
     saved_leaves = {
         _path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
     }
-    unpacked = _unpacked_records(wanted, saved_leaves, layouts)
+    unpacked = _unpacked_records(saved_leaves, layouts)
 
     def target_of(path):  # the target's path that receives `path`'s array
         for candidate in (path, _weight_of_variable(path)):
@@ -504,10 +504,10 @@ def _as_saved(stored, saved, layouts=()):
         return None
 
     owner, dropped = {}, {}  # saved path -> the target's path of that array
-    for keys, _ in jax.tree_util.tree_flatten_with_path(saved)[0]:
-        path = _path(keys)
+    for path in saved_leaves:
         if path[:5] in unpacked:  # read as saved, packed in `back`
-            owner[path] = _packed_target(path, unpacked)
+            at = unpacked[path[:5]].position(int(path[5]))
+            owner[path] = None if at is None else path[:5] + (str(at),)
             continue
         owner[path] = target_of(path)
         if owner[path] is None and _is_stashed_weight(path):
@@ -529,11 +529,11 @@ def _as_saved(stored, saved, layouts=()):
         return stored, lambda restored: restored  # today's layout
 
     def abstract(path):  # how orbax is to read the saved array at `path`
-        if path[:5] in unpacked and owner[path] is None:  # a leaf today's record packs
-            replicated = _last_of(wanted, path[:5])  # a packed array: whole on each device
-            meta = saved_leaves[path]
-            shape, dtype = tuple(meta.shape), meta.dtype
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated.sharding)
+        record = path[:5]
+        if record in unpacked and owner[path] is None:  # a leaf today's record packs
+            packed = wanted[record + (str(unpacked[record].num_stored - 1),)]
+            meta = saved_leaves[path]  # read whole on each device, as the packed array is
+            return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=packed.sharding)
         return wanted[owner[path] or dropped[path]]
 
     as_saved = jax.tree_util.tree_map_with_path(lambda keys, _: abstract(_path(keys)), saved)
@@ -545,22 +545,16 @@ def _as_saved(stored, saved, layouts=()):
         for record, layout in unpacked.items():
             leaves = [at[record + (str(j),)] for j in range(layout.num_leaves)]
             for j, array in enumerate(layout.pack(leaves)):
-                today[record + (str(j),)] = array
-        return treedef.unflatten(
-            [jax.device_put(today[path], wanted[path].sharding) for path in wanted]
-        )
+                path = record + (str(j),)
+                today[path] = jax.device_put(array, wanted[path].sharding)
+        return treedef.unflatten([today[path] for path in wanted])
 
     return as_saved, back
 
 
-def _last_of(wanted, record):
-    """The last array today's `record` keeps: a packed one where its layout packs any."""
-    return wanted[max((p for p in wanted if p[:5] == record), key=lambda p: int(p[5]))]
-
-
-def _unpacked_records(wanted, saved_leaves, layouts) -> dict[tuple, Any]:
-    """The kept records (`stages/<k>/kept/<i>/residuals`) whose saved arrays are their VJP's
-    leaves one by one where today's record packs some, with stage k's layout."""
+def _unpacked_records(saved_leaves, layouts) -> dict[tuple, Any]:
+    """The kept records (`stages/<k>/kept/<i>/residuals`) saved with their VJP's leaves one
+    by one where stage k's layout (`layouts[k]`) packs some, with that layout."""
     counts = {}
     for path in saved_leaves:
         if len(path) == 6 and path[2] == "kept" and path[4] == "residuals":
@@ -569,23 +563,9 @@ def _unpacked_records(wanted, saved_leaves, layouts) -> dict[tuple, Any]:
     for record, count in counts.items():
         k = int(record[1])
         layout = layouts[k] if k < len(layouts) else None
-        today = sum(1 for path in wanted if path[:5] == record)
-        if layout is not None and layout.packed and count == layout.num_leaves != today:
+        if layout is not None and count == layout.num_leaves != layout.num_stored:
             unpacked[record] = layout
     return unpacked
-
-
-def _packed_target(path, unpacked) -> tuple[str, ...] | None:
-    """Where today's record keeps the VJP leaf that an unpacked record saved at `path`
-    (None where today's record packs it)."""
-    record = path[:5]
-    if record not in unpacked or len(path) != 6:
-        return None
-    layout, j = unpacked[record], int(path[5])
-    inside = {i for i, _, _ in layout.packed}
-    if j in inside:
-        return None
-    return record + (str(sum(1 for i in range(j) if i not in inside)),)
 
 
 def _mismatch(path, holds_or_lacks: str) -> ValueError:
