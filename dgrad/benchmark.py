@@ -34,6 +34,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -155,25 +156,10 @@ def dispatched_per_step(pipe, step: int = 100) -> tuple[int, int]:
     return len(calls), moves
 
 
-def dispatch_floor(pipe, state, batch, *, repeats: int = 20) -> tuple[float, float]:
-    """The host's seconds per dispatched call at the floor, two ways: each stage call of
-    one step of `pipe` from `state`, and each of its moves between device groups as a
-    bare `jax.device_put`, repeated `repeats` times in a bare loop with the same
-    arguments; and the step's calls and moves replayed in their order, `repeats` times,
-    each time waited for (the same work with none of the engine's bookkeeping). The
-    host's CPU time, as `measure` counts it, divided by the calls and moves (see
-    `dispatched_per_step`).
-
-    >>> import jax, optax
-    >>> import jax.numpy as jnp
-    >>> from dgrad import Pipeline, models
-    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="gpipe", microbatches=2,
-    ...                 optimizer=optax.sgd(0.1), devices=jax.devices()[:2])
-    >>> batch = (jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32))
-    >>> each, in_order = dispatch_floor(pipe, pipe.init(batch), batch, repeats=2)
-    >>> 0 < each < 0.1 and 0 < in_order < 0.1
-    True
-    """
+def _replayable_calls(pipe, state, batch) -> list[Callable[[], Any]]:
+    """One step of `pipe` from `state` as the host dispatched it: each stage call, and each
+    move between device groups as a bare `jax.device_put`, bound to its arguments and ready
+    to dispatch again (compiled and warm)."""
     runs = []
 
     def wrap(k, name, fn):
@@ -196,17 +182,106 @@ def dispatch_floor(pipe, state, batch, *, repeats: int = 20) -> tuple[float, flo
     placement.move = recorded_move
     jax.block_until_ready(view.step(state, batch)[0])
     jax.block_until_ready([run() for run in runs])  # compiled (the watched copies) and warm
+    return runs
 
-    def host_seconds(sequence) -> float:  # dispatched one after another, then waited for
+
+def _host_seconds(sequence, *, wait_each: bool = False) -> float:
+    """The host's CPU time dispatching `sequence` one call after another (each waited for
+    before the next where `wait_each`), then waited for."""
+    seconds, outputs = 0.0, []
+    for run in sequence:
         start = time.thread_time()
-        outputs = [run() for run in sequence]
-        seconds = time.thread_time() - start
-        jax.block_until_ready(outputs)
+        outputs.append(run())
+        seconds += time.thread_time() - start
+        if wait_each:
+            jax.block_until_ready(outputs[-1])
+    jax.block_until_ready(outputs)
+    return seconds
+
+
+def dispatch_floor(pipe, state, batch, *, repeats: int = 20) -> tuple[float, float]:
+    """The host's seconds per dispatched call at the floor, two ways: each stage call of
+    one step of `pipe` from `state`, and each of its moves between device groups as a
+    bare `jax.device_put`, repeated `repeats` times in a bare loop with the same
+    arguments; and the step's calls and moves replayed in their order, `repeats` times,
+    each time waited for (the same work with none of the engine's bookkeeping). The
+    host's CPU time, as `measure` counts it, divided by the calls and moves (see
+    `dispatched_per_step`).
+
+    >>> import jax, optax
+    >>> import jax.numpy as jnp
+    >>> from dgrad import Pipeline, models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="gpipe", microbatches=2,
+    ...                 optimizer=optax.sgd(0.1), devices=jax.devices()[:2])
+    >>> batch = (jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32))
+    >>> each, in_order = dispatch_floor(pipe, pipe.init(batch), batch, repeats=2)
+    >>> 0 < each < 0.1 and 0 < in_order < 0.1
+    True
+    """
+    runs = _replayable_calls(pipe, state, batch)
+    for run in runs:  # the heap grown to what `repeats` calls in flight hold, untimed
+        _host_seconds([run] * repeats)
+    each = sum(_host_seconds([run] * repeats) for run in runs)
+    in_order = sum(_host_seconds(runs) for _ in range(repeats))  # a step's worth at a time
+    return each / repeats / len(runs), in_order / repeats / len(runs)
+
+
+def dispatch_by_queue(pipe, state, batch, *, repeats: int = 10) -> dict[str, float]:
+    """The host's seconds per dispatched call of one step of `pipe` (its calls and moves,
+    as `dispatch_floor` replays them) in four states of the devices' queues, which the
+    host's cost of the same call depends on:
+
+    - `repeated alone`: each call `repeats` times back to back (`dispatch_floor`'s first);
+    - `in order`: the step's calls in their order, a step at a time (its second);
+    - `in order, behind busy devices`: the same, each time behind a computation on every
+      device of the step that lasts longer than the step's dispatch;
+    - `each on an idle device`: the step's calls in order, each waited for before the next.
+
+    >>> import jax, optax
+    >>> import jax.numpy as jnp
+    >>> from dgrad import Pipeline, models
+    >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), method="gpipe", microbatches=2,
+    ...                 optimizer=optax.sgd(0.1), devices=jax.devices()[:2])
+    >>> batch = (jnp.ones((4, 4)), jnp.zeros((4,), jnp.int32))
+    >>> states = dispatch_by_queue(pipe, pipe.init(batch), batch, repeats=2)
+    >>> list(states)
+    ['repeated alone', 'in order', 'in order, behind busy devices', 'each on an idle device']
+    >>> all(0 < seconds < 0.1 for seconds in states.values())
+    True
+    """
+    runs = _replayable_calls(pipe, state, batch)
+    for run in runs:  # the heap grown to what `repeats` calls in flight hold, untimed
+        _host_seconds([run] * repeats)
+    devices = {d for leaf in jax.tree.leaves(state) for d in leaf.devices()}
+    blocks = [jax.device_put(np.full((256, 256), 1e-3, np.float32), d) for d in devices]
+    jax.block_until_ready(_busy(blocks[0], 1))  # compiled
+    busy_step = time.perf_counter()
+    jax.block_until_ready(_busy(blocks[0], 1))
+    unit = time.perf_counter() - busy_step  # one round of the busy computation
+    start = time.perf_counter()
+    _host_seconds(runs)
+    rounds = max(1, int(4 * (time.perf_counter() - start) / max(unit, 1e-6)))
+    jax.block_until_ready([_busy(block, rounds) for block in blocks])  # compiled
+
+    def behind_busy_devices() -> float:
+        busy = [_busy(block, rounds) for block in blocks]
+        seconds = _host_seconds(runs)
+        jax.block_until_ready(busy)
         return seconds
 
-    each = sum(host_seconds([run] * repeats) for run in runs)
-    in_order = sum(host_seconds(runs) for _ in range(repeats))  # a step's worth at a time
-    return each / repeats / len(runs), in_order / repeats / len(runs)
+    totals = {
+        "repeated alone": sum(_host_seconds([run] * repeats) for run in runs),
+        "in order": sum(_host_seconds(runs) for _ in range(repeats)),
+        "in order, behind busy devices": sum(behind_busy_devices() for _ in range(repeats)),
+        "each on an idle device": sum(_host_seconds(runs, wait_each=True) for _ in range(repeats)),
+    }
+    return {name: seconds / repeats / len(runs) for name, seconds in totals.items()}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _busy(block, rounds: int):
+    """`rounds` dependent matrix products: a device kept busy for a while."""
+    return jax.lax.fori_loop(0, rounds, lambda _, x: jnp.tanh(x @ block), block)
 
 
 def measure(cases: Sequence[Case], batch, *, windows: int = 9, steps: int = 6) -> list[Case]:
