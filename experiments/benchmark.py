@@ -124,6 +124,12 @@ def parse_args(argv=None):
         help="epochs of each training command run, the first not timed (default 3)",
     )
     parser.add_argument(
+        "--dispatch-states",
+        action="store_true",
+        help="also the host's µs per call of each pipeline's step in four states of the "
+        "devices' queues (dgrad.benchmark.dispatch_by_queue)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="a one-minute check: ResNet-8 (width 8), batch 32, K = 1, 2, 3 rounds of 3 steps, "
@@ -211,6 +217,26 @@ def _per_call(case) -> str:
         f"{engine:.0f} / {each:.0f} = {engine / each:.2f}x / {in_order:.0f} = "
         f"{engine / in_order:.2f}x [{calls}+{moves}]"
     )
+
+
+def _print_dispatch_states(cases, batch) -> None:
+    """Each pipeline's host µs per call in the engine's steps beside the same step's calls
+    replayed in four states of the devices' queues (`dgrad.benchmark.dispatch_by_queue`)."""
+    from dgrad import benchmark as bench
+
+    pipelines = [c for c in cases if c.num_stages > 1 and getattr(c, "dispatched", None)]
+    table = [(c, bench.dispatch_by_queue(c.pipe, c.state, batch)) for c in pipelines]
+    states = list(table[0][1]) if table else []
+    print()
+    print("| configuration | K | D | engine | " + " | ".join(states) + " |  (host µs per call)")
+    print("|" + "---|" * (4 + len(states)))
+    for case, seconds in table:
+        engine = 1e3 * bench.median(case.host_ms) / sum(case.dispatched)
+        print(
+            f"| {case.name} | {case.num_stages} | {case.data_parallel} | {engine:.0f} | "
+            + " | ".join(f"{1e6 * s:.0f}" for s in seconds.values())
+            + " |"
+        )
 
 
 def _predicted(case, batch_size: int) -> str:
@@ -560,6 +586,8 @@ def main(argv=None):
             + (_gpt_rates(args, chain, np.median(rates)) if args.model == "gpt" else "")
             + " |"
         )
+    if args.dispatch_states:
+        _print_dispatch_states(cases, batch)
     peaks = bench.peak_memory(devices)
     if peaks:
         print(

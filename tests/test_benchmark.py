@@ -272,3 +272,54 @@ def test_the_gpt_benchmark_counts_tokens_and_model_flops():
         samples = float(row[3].split()[0])
         assert float(row[-3]) == pytest.approx(8 * samples, rel=2e-3, abs=1), row
         assert float(row[-1]) == pytest.approx(100 * float(row[-2]) / 0.01, rel=0.02), row
+
+
+@pytest.mark.slow
+def test_the_dispatch_states_table_has_a_row_per_pipeline_beside_its_engine_cost():
+    """`--dispatch-states` adds a table: each pipeline's engine µs per call (the main table's)
+    and its step's calls replayed in the four queue states of `dispatch_by_queue`."""
+    status, output = run_command(
+        [
+            sys.executable,
+            "-m",
+            "experiments.benchmark",
+            "--quick",
+            "--model=mlp",
+            "--image-size=8",
+            "--stages=2",
+            "--methods=gpipe,fdg",
+            "--microbatches=2",
+            "--virtual-stages=1",
+            "--windows=2",
+            "--steps=2",
+            "--dispatch-states",
+        ],
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert status == 0, output
+    lines = output.splitlines()
+    main = lines.index(next(line for line in lines if "host µs per call / floor" in line))
+    states = lines.index(
+        next(line for line in lines if line.startswith("| configuration | K | D | engine"))
+    )
+    engine = {
+        row.split("|")[1].strip(): row.split("|")[7].split("/")[0].strip()
+        for row in lines[main + 2 : states]
+        if row.startswith("| ") and row.split("|")[2].strip() == "2"
+    }
+    assert [cell.strip() for cell in lines[states].split("|")[4:-1]] == [
+        "engine",
+        "repeated alone",
+        "in order",
+        "in order, behind busy devices",
+        "each on an idle device",
+    ], lines[states]
+    rows = [
+        [cell.strip() for cell in row.split("|")[1:-1]]
+        for row in lines[states + 2 :]
+        if row.startswith("| ")
+    ]
+    assert {row[0]: row[3] for row in rows} == engine, output
+    assert sorted(engine) == ["bp staged", "fdg", "gpipe M=2"], output
+    assert all(float(cell) > 0 for row in rows for cell in row[4:]), rows
