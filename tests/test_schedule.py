@@ -238,3 +238,31 @@ def test_the_replay_can_fail():
     for wrong in (UpdateFirst("ddg", 3), Lagging("ddg", 3)):
         with pytest.raises(AssertionError):
             _check_replay(wrong)
+
+
+def _every_timetable():
+    yield Schedule("bp", 3, fused=True)
+    for method in METHODS:
+        for K in (1, 2, 3, 4):
+            for M in (1, 2, 4) if method in MICROBATCHED else (1,):
+                yield Schedule(method, K, microbatches=M)
+    for K, V, M in [(2, 2, 2), (2, 2, 4), (3, 2, 3), (2, 3, 4)]:
+        yield Schedule("1f1b", K * V, microbatches=M, virtual_stages=V)
+
+
+def test_the_work_of_a_full_pipeline_is_the_one_before_it_renamed():
+    """`work` renames one iteration's calls from `steady_iteration` on: each method's
+    iterations before it and well after it are the calls its rules build."""
+    for schedule in _every_timetable():
+        for t in range(schedule.steady_iteration + 7):
+            assert schedule.work(t) == schedule.build_work(t), (schedule, t)
+
+
+def test_renaming_from_the_fill_would_differ():
+    """The control: an iteration of the fill, renamed, is not the later iteration's work,
+    so the test above fails where `steady_iteration` comes too early."""
+    fdg = Schedule("fdg", 3)  # stage 0 applies its first gradient in iteration 4
+    assert sched._renamed(sched._plan(fdg.build_work(5)), 5) == fdg.build_work(10)
+    assert sched._renamed(sched._plan(fdg.build_work(3)), 5) != fdg.build_work(8)
+    two_bw = Schedule("2bw", 2, microbatches=2)  # iteration 0 has no step before to drain
+    assert sched._renamed(sched._plan(two_bw.build_work(0)), 3) != two_bw.build_work(3)
