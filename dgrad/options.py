@@ -27,12 +27,17 @@ METHODS = ("bp", "ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "zb", "pipedream", 
 TITLES = {"gpipe": "GPipe", "pipedream": "PipeDream", "2bw": "PipeDream-2BW", "zb": "ZB-H1"}
 
 
-def method_title(method: str) -> str:
-    """The method's name as its papers write it.
+def method_title(method: str, virtual_stages: int = 1) -> str:
+    """The method's name as its papers write it (zero-bubble's V schedule with 2 chunks
+    a group).
 
     >>> method_title("fdg"), method_title("gpipe"), method_title("2bw")  # else upper case
     ('FDG', 'GPipe', 'PipeDream-2BW')
+    >>> method_title("zb"), method_title("zb", virtual_stages=2)
+    ('ZB-H1', 'ZB-V')
     """
+    if method == "zb" and virtual_stages == 2:
+        return "ZB-V"
     return TITLES.get(method, method.upper())
 
 
@@ -78,9 +83,10 @@ class Options:
         "1f1b (1F1B-flush, Narayanan et al. 2021: gpipe's numbers in another order; "
         "interleaved with virtual_stages), zb (zero-bubble ZB-H1, Qi et al. 2024: 1F1B with "
         "each backward cut into input and weight gradients, the latter deferred into the "
-        "bubble; gpipe's numbers), pipedream (asynchronous 1F1B with weight stashing, Harlap "
-        "et al. 2019: ddg's numbers), 2bw (PipeDream-2BW, Narayanan et al. 2021: each "
-        "gradient one weight version old, steps overlapping with no flush); dgrad.schedule "
+        "bubble; ZB-V with virtual_stages=2; gpipe's numbers), pipedream (asynchronous 1F1B "
+        "with weight stashing, Harlap et al. 2019: ddg's numbers), 2bw (PipeDream-2BW, "
+        "Narayanan et al. 2021: each gradient one weight version old, steps overlapping with "
+        "no flush); dgrad.schedule "
         "states each timetable",
     )
     beta: float = _help(
@@ -135,9 +141,10 @@ class Options:
     )
     virtual_stages: int = _help(
         1,
-        "V, model chunks per device group (1f1b: interleaved 1F1B, Narayanan et al. 2021; the "
-        "model is cut into K*V stages, chunk j on group j mod K, and microbatches must be a "
-        "multiple of K); 1: one stage per group",
+        "V, model chunks per device group, the model cut into K*V stages (1f1b: interleaved "
+        "1F1B, Narayanan et al. 2021, chunk j on group j mod K, microbatches a multiple of K; "
+        "zb with V=2: ZB-V, Qi et al. 2024, chunk j on group j and back up in a V, 2K-1-j); "
+        "1: one stage per group",
     )
 
     def __post_init__(self):
@@ -160,10 +167,11 @@ class Options:
         else:
             object.__setattr__(self, "microbatches", 1)
         _integer("virtual_stages", self.virtual_stages, 1, "use 1 for one stage per group")
-        if self.virtual_stages > 1 and self.method != "1f1b":
+        if self.virtual_stages > 1 and self.method not in ("1f1b", "zb"):
             raise ValueError(
-                f"virtual_stages={self.virtual_stages} interleaves 1F1B's chunks; use "
-                f"method=1f1b with it, or virtual_stages=1 with method={self.method}."
+                f"virtual_stages={self.virtual_stages} puts several chunks on each device "
+                f"group (1f1b: interleaved 1F1B, zb: ZB-V); use one of those methods with "
+                f"it, or virtual_stages=1 with method={self.method}."
             )
         if self.method == "zb" and self.memory not in (None, "residuals"):
             raise ValueError(

@@ -194,6 +194,7 @@ class Pipeline:
             data_parallel=data_parallel,
             fused=fused,
             virtual_stages=virtual_stages,
+            group_of=self.schedule.device_of,
         )
         self.loss_fn = loss_fn
         last, locally = self.num_stages - 1, self.schedule.trains_locally

@@ -34,7 +34,7 @@ True
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -163,12 +163,18 @@ class Placement:
       data_parallel: D, devices per stage; -1 uses them all (D = devices // K).
         Explicit index lists say D themselves (a D other than 1 or -1 must agree).
       fused: one group for all stages (fused backprop, data parallel over D).
-      virtual_stages: V; the K*V stages are interleaved 1F1B's chunks and chunk j shares
-        the group that `placement` gives stage j mod K of K.
+      virtual_stages: V; the K*V stages are chunks, V to a group, and chunk j shares the
+        group that `placement` gives stage `group_of(j)` of K.
+      group_of: chunk j's group with V > 1 (default j mod K, interleaved 1F1B's; the
+        pipeline passes its `Schedule.device_of`).
 
     >>> import jax, jax.numpy as jnp
     >>> [[d.id for d in g] for g in Placement(4, jax.devices()[:2], virtual_stages=2).groups]
     [[0], [1], [0], [1]]
+    >>> v_shape = [0, 1, 1, 0].__getitem__  # ZB-V's
+    >>> placed = Placement(4, jax.devices()[:2], virtual_stages=2, group_of=v_shape)
+    >>> [[d.id for d in g] for g in placed.groups]
+    [[0], [1], [1], [0]]
     >>> shared = Placement(2, jax.devices()[:1])  # two stages on one device
     >>> shared.data_parallel, shared.groups[0] == shared.groups[1]
     (1, True)
@@ -188,6 +194,7 @@ class Placement:
         data_parallel: int = 1,
         fused: bool = False,
         virtual_stages: int = 1,
+        group_of: Callable[[int], int] | None = None,
     ):
         devices = list(jax.devices() if devices is None else devices)
         if not devices:
@@ -200,11 +207,12 @@ class Placement:
         if len(set(devices)) != len(devices):
             raise ValueError("devices lists a device twice; pass each device once.")
         self.num_stages = num_stages
-        if virtual_stages > 1 and isinstance(placement, str):  # chunk j on group j mod K
+        if virtual_stages > 1 and isinstance(placement, str):  # chunk j on group_of(j)
             groups, self.data_parallel = _groups(
                 num_stages // virtual_stages, devices, placement, data_parallel, fused
             )
-            self.groups = tuple(groups[j % len(groups)] for j in range(num_stages))
+            group_of = group_of or (lambda j: j % len(groups))
+            self.groups = tuple(groups[group_of(j)] for j in range(num_stages))
         else:
             self.groups, self.data_parallel = _groups(
                 num_stages, devices, placement, data_parallel, fused

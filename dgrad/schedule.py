@@ -66,13 +66,14 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
   B (the input cotangent) and W (the weight gradient); stage k runs its W's k
   behind its B's, in what 1F1B leaves idle, holding at most K records. GPipe's
   numbers.
-- ZB-V and DualPipeV (Qi et al. 2024; DeepSeek-V3) put 2 chunks on each device
-  in a V (chunk j on device j for j < K, on device 2K-1-j after), so the first
-  and the last chunk share device 0. The calls they need are those above
-  (Forward, InputGradient, WeightGradient, LossInput, Apply); what they would
-  add is a `device_of` for the V and their per-device order in `device_work`
-  (DualPipeV also runs one chunk's forward and another's backward in one call,
-  to overlap their communication, which one controller over XLA does not need).
+- ZB-V (`zb` with `virtual_stages=2`, Qi et al. 2024, section 6): 2 chunks on
+  each device in a V (chunk j on device j for j < K, on device 2K-1-j after), so
+  the first and the last chunk share device 0; each device runs the paper's
+  order over its two chunks (`device_work`), with no bubble once M >= 2K-1 and
+  F = B = W, holding at most 2K chunk records (1F1B's memory). GPipe's numbers.
+- DualPipeV (DeepSeek-V3) is ZB-V's placement with another order, and it runs
+  one chunk's forward and another's backward in one call to overlap their
+  communication, which one controller over XLA does not need; not built.
 - PipeDream (asynchronous 1F1B with weight stashing) gives every forward and
   update the weight versions of DDG with weights=stash: the same timetable.
 - PipeDream-2BW: W^{t+1} = U(W^t, g_t), g_t the gradient of b_t (over its M
@@ -286,14 +287,18 @@ summing=(None, None, None))
     summing: tuple[int | None, ...]
 
 
-def check_virtual_stages(num_stages: int, virtual_stages: int, microbatches: int) -> None:
-    """Interleaved 1F1B's rules: K*V chunks on K device groups, M a multiple of K.
+def check_virtual_stages(
+    num_stages: int, virtual_stages: int, microbatches: int, method: str = "1f1b"
+) -> None:
+    """The rules of V chunks per device group: K*V chunks on K groups; interleaved 1F1B
+    runs M in rounds of K (a multiple of K), ZB-V puts exactly 2 chunks on each group.
 
     >>> check_virtual_stages(8, 2, 8)  # 4 groups of 2 chunks, 8 microbatches: fine
     >>> check_virtual_stages(8, 2, 6)
     Traceback (most recent call last):
         ...
     ValueError: virtual_stages=2 runs the microbatches in rounds of K=4 (one per device ...
+    >>> check_virtual_stages(8, 2, 6, method="zb")  # ZB-V: any M
     """
     if num_stages % virtual_stages:
         raise ValueError(
@@ -301,6 +306,14 @@ def check_virtual_stages(num_stages: int, virtual_stages: int, microbatches: int
             f"the model needs K*V stages, but it has {num_stages}; cut it into a multiple "
             f"of {virtual_stages} (e.g. models.mlp(..., num_stages=K*V))."
         )
+    if method == "zb":
+        if virtual_stages != 2:
+            raise ValueError(
+                f"method=zb with virtual_stages={virtual_stages}: zero-bubble's V schedule "
+                "(ZB-V, Qi et al. 2024) puts exactly 2 chunks on each device group; use "
+                "virtual_stages=2, or 1 for ZB-H1."
+            )
+        return
     groups = num_stages // virtual_stages
     if microbatches % groups:
         raise ValueError(
@@ -342,7 +355,9 @@ class Schedule:
                 f"{', '.join(MICROBATCHED)}."
             )
         if self.virtual_stages != 1:
-            check_virtual_stages(self.num_stages, self.virtual_stages, self.microbatches)
+            check_virtual_stages(
+                self.num_stages, self.virtual_stages, self.microbatches, self.method
+            )
 
     @property
     def num_devices(self) -> int:
@@ -354,12 +369,18 @@ class Schedule:
         return self.num_stages // self.virtual_stages
 
     def device_of(self, stage: int) -> int:
-        """The device group `stage` runs on: its own, or chunk j's j mod K when interleaved.
+        """The device group `stage` runs on: its own; chunk j's j mod K when interleaved;
+        in a V under ZB-V (chunk j on group j, then back up: 2K-1-j).
 
         >>> [Schedule("1f1b", 4, microbatches=2, virtual_stages=2).device_of(j) for j in range(4)]
         [0, 1, 0, 1]
+        >>> [Schedule("zb", 4, microbatches=2, virtual_stages=2).device_of(j) for j in range(4)]
+        [0, 1, 1, 0]
         """
-        return stage % self.num_devices
+        K = self.num_devices
+        if self.method == "zb" and self.virtual_stages == 2:
+            return stage if stage < K else 2 * K - 1 - stage
+        return stage % K
 
     def lag(self, stage: int) -> int:
         """PipeDream-2BW without a flush: how many microbatches `stage`'s forwards run ahead
@@ -691,6 +712,8 @@ class Schedule:
         """
         if self.virtual_stages == 1:
             return self.stage_work(device, t)
+        if self.method == "zb":
+            return self._zero_bubble_v_work(device, t)
         K, V, M = self.num_devices, self.virtual_stages, self.microbatches
         total = M * V
 
@@ -714,6 +737,60 @@ class Schedule:
         for i in range(total - warmup, total):
             work += backward(i)
         return work + [Apply(chunk * K + device, M) for chunk in range(V)]
+
+    def _zero_bubble_v_work(self, device: int, t: int) -> list[Work]:
+        """ZB-V (Qi et al. 2024, section 6): device d holds chunk d (going down) and chunk
+        2K-1-d (coming back up); with n = max(2K-1, M) it runs 2(K-d)-1 forwards of its
+        first chunk; d times a forward of each; K-d times its second chunk's F, B and W;
+        then F, B and W of the first chunk and of the second in turn until every forward
+        is done; d times a B of each; K-d times B and W of the first; the W's left, the
+        second chunk's first. Microbatches past M are left out (M < 2K-1). The last chunk's
+        F and B are one `LossInput`, chunk 0's B and W one `Backward`.
+        """
+        K, M = self.num_devices, self.microbatches
+        n = max(2 * K - 1, M)
+        first, second = device, 2 * K - 1 - device
+        done = {(chunk, kind): 0 for chunk in (first, second) for kind in "FBW"}
+        order = []
+
+        def do(chunk: int, kind: str) -> None:
+            m = done[(chunk, kind)]
+            done[(chunk, kind)] += 1
+            order.append((chunk, kind, m))
+
+        for _ in range(2 * (K - device) - 1):
+            do(first, "F")
+        for _ in range(device):
+            do(second, "F")
+            do(first, "F")
+        for _ in range(K - device):
+            do(second, "F"), do(second, "B"), do(second, "W")
+        while done[(second, "F")] < done[(first, "F")] or done[(first, "F")] < n:
+            if done[(first, "F")] < n:
+                do(first, "F")
+            do(first, "B"), do(first, "W")
+            do(second, "F"), do(second, "B"), do(second, "W")
+        for _ in range(device):
+            do(first, "B"), do(second, "B")
+        for _ in range(K - device):
+            do(first, "B"), do(first, "W")
+        for chunk in (second, first):
+            while done[(chunk, "W")] < done[(chunk, "B")]:
+                do(chunk, "W")
+        work = []
+        for chunk, kind, m in order:
+            if m >= M:
+                continue
+            unit = (t, m)
+            if kind == "F":
+                work.append(LossInput(chunk, unit) if chunk == self.last else Forward(chunk, unit))
+            elif kind == "B" and chunk == 0:
+                work.append(Backward(chunk, unit, apply=False))
+            elif kind == "B" and chunk != self.last:
+                work.append(InputGradient(chunk, unit))
+            elif kind == "W" and chunk != 0:
+                work.append(WeightGradient(chunk, unit))
+        return work + [Apply(second, M), Apply(first, M)]
 
     def _microbatch_work(self, t: int) -> tuple[Work, ...]:
         """Every device's `device_work`, merged clock tick by clock tick: in each tick every

@@ -143,11 +143,14 @@ def test_the_calls_and_the_arithmetic_say_what_the_papers_do(method, K):
 
 
 @pytest.mark.parametrize("K,V,M", [(2, 2, 2), (2, 2, 4), (2, 3, 4), (3, 2, 3), (4, 2, 8)])
-def test_interleaved_1f1b_applies_each_batch_once_per_chunk_in_its_own_step(K, V, M):
-    schedule = Schedule("1f1b", K * V, microbatches=M, virtual_stages=V)
-    seen = _replay(schedule, 3)
-    assert all(seen["applied"][(j, t)] == {t} for j in range(K * V) for t in range(3))
-    assert all(seen["staleness"][j] <= {0} for j in range(K * V))
+def test_chunked_schedules_apply_each_batch_once_per_chunk_in_its_own_step(K, V, M):
+    for schedule in [
+        Schedule("1f1b", K * V, microbatches=M, virtual_stages=V),
+        *([Schedule("zb", 2 * K, microbatches=M, virtual_stages=2)] if V == 2 else []),
+    ]:
+        seen = _replay(schedule, 3)
+        assert all(seen["applied"][(j, t)] == {t} for j in range(K * V) for t in range(3))
+        assert all(seen["staleness"][j] <= {0} for j in range(K * V))
 
 
 def test_interleaved_1f1b_runs_megatrons_order():
@@ -188,6 +191,66 @@ def test_zero_bubble_runs_zb_h1():
     assert [s.most_kept(k, 0) for k in range(3)] == [3, 3, 3]
 
 
+def test_zero_bubble_v_runs_zb_v():
+    """Qi et al. 2024, section 6, ZB-V with K = 2, M = 4: device 0 holds chunks 0 and 3
+    (the loss), device 1 chunks 1 and 2. Device d: 2(K-d)-1 forwards of its first chunk;
+    d times F of each chunk; K-d times F, B, W of its second; F, B, W of the first and of
+    the second in turn while forwards are left; d times B of each; K-d times B and W of
+    the first; the W's left. Chunk 3's F and B are its LossInput, chunk 0's B and W one
+    Backward. Every device then holds at most 2K chunk records, 1F1B's memory."""
+    F, B, W, L = sched.Forward, sched.InputGradient, sched.WeightGradient, sched.LossInput
+    u = [(0, m) for m in range(4)]
+
+    def back(m):
+        return sched.Backward(0, u[m], False)
+
+    s = Schedule("zb", 4, microbatches=4, virtual_stages=2)
+    assert [s.device_of(j) for j in range(4)] == [0, 1, 1, 0]
+    assert s.device_work(0, 0) == [
+        F(0, u[0]), F(0, u[1]), F(0, u[2]),
+        L(3, u[0]), W(3, u[0]), L(3, u[1]), W(3, u[1]),
+        F(0, u[3]), back(0), L(3, u[2]), W(3, u[2]),
+        back(1), L(3, u[3]), W(3, u[3]),
+        back(2), back(3),
+        sched.Apply(3, 4), sched.Apply(0, 4),
+    ]  # fmt: skip
+    assert s.device_work(1, 0) == [
+        F(1, u[0]),
+        F(2, u[0]), F(1, u[1]),
+        F(2, u[1]), B(2, u[0]), W(2, u[0]),
+        F(1, u[2]), B(1, u[0]), W(1, u[0]), F(2, u[2]), B(2, u[1]), W(2, u[1]),
+        F(1, u[3]), B(1, u[1]), W(1, u[1]), F(2, u[3]), B(2, u[2]), W(2, u[2]),
+        B(1, u[2]), B(2, u[3]),
+        B(1, u[3]), W(1, u[2]),
+        W(2, u[3]), W(1, u[3]),
+        sched.Apply(2, 4), sched.Apply(1, 4),
+    ]  # fmt: skip
+    for K, M in [(2, 4), (3, 6), (4, 8), (4, 16)]:
+        v = Schedule("zb", 2 * K, microbatches=M, virtual_stages=2)
+        for d in range(K):
+            held = most = 0
+            for call in v.device_work(d, 0):
+                held += isinstance(call, (F, L)) - isinstance(call, (W, sched.Backward))
+                most = max(most, held)
+            assert most <= 2 * K, (K, M, d, most)
+
+
+def test_zero_bubble_v_takes_two_chunks_a_group_and_any_microbatches():
+    with pytest.raises(ValueError, match="exactly 2 chunks"):
+        Schedule("zb", 6, microbatches=4, virtual_stages=3)
+    for K in (1, 2, 3, 4):
+        for M in (1, 2, 3, 5, 8):  # M < 2K-1 drops the schedule's extra microbatches
+            work = Schedule("zb", 2 * K, microbatches=M, virtual_stages=2).work(0)
+            for j in range(2 * K):
+                applied = [w for w in work if isinstance(w, sched.Apply) and w.stage == j]
+                assert applied == [sched.Apply(j, M)]
+                if 0 < j < 2 * K - 1:
+                    grads = [
+                        w.unit for w in work if type(w) is sched.WeightGradient and w.stage == j
+                    ]
+                    assert grads == [(0, m) for m in range(M)]
+
+
 def test_2bw_overlaps_the_steps_and_carries_one_gradient_sum():
     """No flush: stage k's forwards run min(K-1-k, M) microbatches ahead of its backwards
     across steps, b_t's microbatches all at W^{t-1} (the current weights before b_{t-1}'s
@@ -210,11 +273,13 @@ def test_2bw_overlaps_the_steps_and_carries_one_gradient_sum():
     )
 
 
-@pytest.mark.parametrize("method,K,M,V", [("1f1b", 4, 3, 1), ("1f1b", 4, 2, 2), ("zb", 4, 3, 1)])
+@pytest.mark.parametrize(
+    "method,K,M,V", [("1f1b", 4, 3, 1), ("1f1b", 4, 2, 2), ("zb", 4, 3, 1), ("zb", 4, 5, 2)]
+)
 def test_every_synchronous_order_is_free_of_deadlock(method, K, M, V):
     for k in range(1, K + 1):
         for m in range(1, 2 * M + 1):
-            if V == 1 or m % k == 0:
+            if V == 1 or method == "zb" or m % k == 0:
                 Schedule(method, k * V, microbatches=m, virtual_stages=V).work(0)
 
 
@@ -248,6 +313,8 @@ def _every_timetable():
                 yield Schedule(method, K, microbatches=M)
     for K, V, M in [(2, 2, 2), (2, 2, 4), (3, 2, 3), (2, 3, 4)]:
         yield Schedule("1f1b", K * V, microbatches=M, virtual_stages=V)
+    for K, M in [(1, 2), (2, 2), (2, 4), (3, 5)]:
+        yield Schedule("zb", 2 * K, microbatches=M, virtual_stages=2)
 
 
 def test_the_work_of_a_full_pipeline_is_the_one_before_it_renamed():

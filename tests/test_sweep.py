@@ -66,10 +66,11 @@ def test_a_grid_over_methods_and_microbatches_skips_the_methods_that_have_none()
     ]
 
 
-def test_a_grid_over_virtual_stages_skips_what_interleaving_refuses():
+def test_a_grid_over_virtual_stages_skips_what_chunking_refuses():
+    """Interleaved 1F1B needs M a multiple of K; ZB-V takes any M; GPipe takes no chunks."""
     config = fields.base()
     config.num_stages = 4
-    grid = parse_grid("method=1f1b,zb virtual_stages=1,2 microbatches=2,4")
+    grid = parse_grid("method=1f1b,zb,gpipe virtual_stages=1,2 microbatches=2,4")
     runs, skipped = expand(config, grid)
     assert [r.describe() for r in runs] == [
         "method=1f1b virtual_stages=1 microbatches=2",
@@ -77,9 +78,13 @@ def test_a_grid_over_virtual_stages_skips_what_interleaving_refuses():
         "method=1f1b virtual_stages=2 microbatches=4",
         "method=zb virtual_stages=1 microbatches=2",
         "method=zb virtual_stages=1 microbatches=4",
+        "method=zb virtual_stages=2 microbatches=2",
+        "method=zb virtual_stages=2 microbatches=4",
+        "method=gpipe virtual_stages=1 microbatches=2",
+        "method=gpipe virtual_stages=1 microbatches=4",
     ]
     assert len(skipped) == 3 and "multiple of 4, not 2" in skipped[0]
-    assert all("interleaves 1F1B's chunks" in line for line in skipped[1:])
+    assert all("puts several chunks on each device group" in line for line in skipped[1:])
 
 
 @pytest.mark.parametrize(

@@ -89,6 +89,31 @@ def test_interleaved_1f1b_matches_gpipe_on_its_chunks(model, virtual_stages, mic
 
 
 @pytest.mark.parametrize(
+    "model,microbatches",
+    [("mlp", 2), pytest.param("mlp", 4, marks=SLOW), pytest.param("cnn", 4, marks=SLOW)],
+)
+def test_zero_bubble_v_matches_gpipe_on_its_chunks(model, microbatches):
+    """ZB-V: K = 2 groups of 2 chunks in a V (chunks 0 and 3 on one group, 1 and 2 on the
+    other), GPipe's numbers on the 4 chunks, on every layout (M = 2, under the schedule's
+    2K-1, leaves microbatches out of its order); a control that the comparison can fail."""
+    for name, layout in interleaved_layouts().items():
+        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+        options = dict(microbatches=microbatches, optimizer=tx)
+        ref = reference(model, 4, method="gpipe", **options)
+        pipe, state, history = run_pipeline(
+            model, 4, method="zb", virtual_stages=2, **options, **layout
+        )
+        groups = pipe.placement.groups
+        assert [groups[j] for j in range(4)] == [groups[0], groups[1], groups[1], groups[0]]
+        try:
+            assert_matches_reference(state, history, ref)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+        with pytest.raises(AssertionError):
+            assert_matches_reference(state, history, reference(model, 4, "2bw", **options))
+
+
+@pytest.mark.parametrize(
     "method,memory",
     [
         ("gpipe", "recompute"),

@@ -27,6 +27,18 @@ def test_interleaving_divides_the_bubble_by_the_virtual_stages(K, V, M):
     assert prediction.idle == pytest.approx([(K - 1) / (V * M + K - 1)] * K)
 
 
+@pytest.mark.parametrize("K,M", [(2, 3), (2, 4), (3, 5), (4, 8), (8, 16)])
+def test_zero_bubble_v_has_no_bubble_once_m_reaches_2k_minus_1(K, M):
+    """ZB-V with F = B = W on chunks (Qi et al. 2024, section 6): every device busy for
+    its 2 chunks' 3M units, so no idle time at all once M >= 2K-1; with fewer
+    microbatches the V cannot fill (the control)."""
+    zbv = simulate(Schedule("zb", 2 * K, microbatches=M, virtual_stages=2))
+    assert zbv.idle == pytest.approx([0.0] * K)
+    assert zbv.step_seconds == pytest.approx(2 * 3 * M)
+    short = simulate(Schedule("zb", 2 * K, microbatches=2 * K - 2, virtual_stages=2))
+    assert min(short.idle) > 0
+
+
 @pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (4, 4)])
 def test_zero_bubble_needs_less_than_1f1b_and_2bw_without_a_flush_none(K, M):
     """ZB-H1 with F = B = W (Qi et al. 2024): a bubble of (K-1)(F+B-W) = (K-1) against

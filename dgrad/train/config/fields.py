@@ -497,6 +497,6 @@ def check(config: ml_collections.ConfigDict) -> None:
     chunks = values["virtual_stages"]
     if chunks > 1:
         try:
-            check_virtual_stages(values["num_stages"] * chunks, chunks, parts)
+            check_virtual_stages(values["num_stages"] * chunks, chunks, parts, values["method"])
         except ValueError as error:
             raise ValueError(f"config: {error}") from None

@@ -47,7 +47,7 @@ def runs_of(config: ml_collections.ConfigDict) -> list[Run]:
     Run(label='bp_fused', title='BP (fused)', method='bp', num_stages=2, fused=True)
     """
     k, m, v = config.num_stages, config.microbatches, config.virtual_stages
-    label, title = f"{config.method}_k{k}", f"{method_title(config.method)} K={k}"
+    label, title = f"{config.method}_k{k}", f"{method_title(config.method, v)} K={k}"
     if v > 1:
         label, title = f"{label}_v{v}", f"{title} V={v}"
     if m not in (None, 1):
