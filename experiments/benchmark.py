@@ -19,9 +19,10 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
     python -m experiments.benchmark --against-command --stages 2 --methods fdg,1f1b \\
         --microbatches 4 --steps 40 --windows 3   # the training command beside the engine
 
-GPipe, 1F1B, ZB and 2BW run with each of `--microbatches` (default 4, 8), and 1F1B
+GPipe, 1F1B, ZB and 2BW run with each of `--microbatches` (default 4, 8), 1F1B
 also interleaved with each of `--virtual-stages` (default 2; K*V chunks, where M is a
-multiple of K); every pipelined row gives each device's measured idle share beside the
+multiple of K) and ZB also as ZB-V where V = 2 is among them (2K chunks in a V);
+every pipelined row gives each device's measured idle share beside the
 ideal bubble (the timetable played with the papers' unit costs, `dgrad.timing`), the
 step time and idle share `dgrad.timing` predicts from the measured cost of each call,
 the host's microseconds per dispatched call (stage calls and moves), and the records a
@@ -62,6 +63,22 @@ MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn
 GPT_FLAGS = tuple(name for name in GPT_SHAPE if name != "vocab_size")  # byte-level: 256
 
 
+def chunked_rows(method: str, k: int, m: int, virtual_stages) -> list[int]:
+    """The V of the chunked rows beside `method`'s row at K = `k`, M = `m`: interleaved
+    1F1B's (M a multiple of K) and ZB-V's (V = 2).
+
+    >>> chunked_rows("1f1b", 2, 4, [2, 3]), chunked_rows("1f1b", 4, 2, [2])
+    ([2, 3], [])
+    >>> chunked_rows("zb", 2, 3, [2, 3]), chunked_rows("gpipe", 2, 4, [2])
+    ([2], [])
+    """
+    if k < 2:
+        return []
+    if method == "1f1b":
+        return [v for v in virtual_stages if m % k == 0]
+    return [2] if method == "zb" and 2 in virtual_stages else []
+
+
 def parse_args(argv=None):
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="resnet20")
@@ -94,7 +111,9 @@ def parse_args(argv=None):
         "--microbatches", default="4,8", help="M values for gpipe, 1f1b, zb and 2bw (default 4,8)"
     )
     parser.add_argument(
-        "--virtual-stages", default="2", help="V values for interleaved 1f1b rows (default 2)"
+        "--virtual-stages",
+        default="2",
+        help="V values for interleaved 1f1b rows, and 2 for ZB-V rows of zb (default 2)",
     )
     parser.add_argument(
         "--timeline", metavar="DIR", help="write a Gantt chart and Perfetto trace of each case"
@@ -504,10 +523,10 @@ def main(argv=None):
                 if method in MICROBATCHED:
                     for m in args.microbatches:
                         add(f"{method} M={m}", k, method=method, microbatches=m, data_parallel=d)
-                        for v in args.virtual_stages if method == "1f1b" and k > 1 else ():
-                            if m % k == 0 and k * v <= len(chain.modules):
+                        for v in chunked_rows(method, k, m, args.virtual_stages):
+                            if k * v <= len(chain.modules):
                                 add(
-                                    f"1f1b V={v} M={m}",
+                                    f"{method} V={v} M={m}",
                                     k,
                                     chunks=k * v,
                                     method=method,

@@ -151,7 +151,7 @@ def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     assert re.search(r"\| gpipe M=2 \| 2 \| 1 \|.*\| \d+ \d+ \[33\] \|", output), (
         output
     )  # idle [1/3]
-    assert {"zb M=2", "1f1b M=2", "1f1b V=2 M=2"} <= set(names)
+    assert {"zb M=2", "zb V=2 M=2", "1f1b M=2", "1f1b V=2 M=2"} <= set(names)
     predicted = [row.split("|")[11].strip() for row in rows if "M=2" in row]
     assert all(re.fullmatch(r"[\d.]+ / [\d.]+", p) for p in predicted), predicted
     assert len(list(tmp_path.glob("*.png"))) == len(rows) - 2  # every pipeline traced
