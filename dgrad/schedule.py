@@ -753,30 +753,27 @@ class Schedule:
         done = {(chunk, kind): 0 for chunk in (first, second) for kind in "FBW"}
         order = []
 
-        def do(chunk: int, kind: str) -> None:
-            m = done[(chunk, kind)]
-            done[(chunk, kind)] += 1
-            order.append((chunk, kind, m))
+        def do(chunk: int, kinds: str) -> None:  # the chunk's next F, B or W, in turn
+            for kind in kinds:
+                order.append((chunk, kind, done[(chunk, kind)]))
+                done[(chunk, kind)] += 1
 
-        for _ in range(2 * (K - device) - 1):
-            do(first, "F")
+        do(first, "F" * (2 * (K - device) - 1))
         for _ in range(device):
             do(second, "F")
             do(first, "F")
         for _ in range(K - device):
-            do(second, "F"), do(second, "B"), do(second, "W")
+            do(second, "FBW")
         while done[(second, "F")] < done[(first, "F")] or done[(first, "F")] < n:
-            if done[(first, "F")] < n:
-                do(first, "F")
-            do(first, "B"), do(first, "W")
-            do(second, "F"), do(second, "B"), do(second, "W")
+            do(first, "FBW" if done[(first, "F")] < n else "BW")
+            do(second, "FBW")
         for _ in range(device):
-            do(first, "B"), do(second, "B")
+            do(first, "B")
+            do(second, "B")
         for _ in range(K - device):
-            do(first, "B"), do(first, "W")
+            do(first, "BW")
         for chunk in (second, first):
-            while done[(chunk, "W")] < done[(chunk, "B")]:
-                do(chunk, "W")
+            do(chunk, "W" * (done[(chunk, "B")] - done[(chunk, "W")]))
         work = []
         for chunk, kind, m in order:
             if m >= M:
