@@ -581,7 +581,7 @@ class Schedule:
             return self.build_work(t)
         return _renamed(self._steady_work, t - first)
 
-    @property
+    @functools.cached_property
     def steady_iteration(self) -> int:
         """The first iteration whose work every later one repeats with its units shifted by
         as many batches: the pipeline is full (no stage still waits for its first batch or
