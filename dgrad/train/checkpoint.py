@@ -482,7 +482,7 @@ def _as_saved(stored, saved, layouts=()):
     """`stored` (the target) in the shape of the `saved` metadata tree, and the function
     that maps what orbax restores in that shape back to `stored`'s.
 
-    Three kinds of older checkpoints restore into today's state:
+    Four kinds of older checkpoints restore into today's state:
     - written while dgrad held weights as `nnx.Variable`s: each weight is one level
       deeper, under `value`;
     - written while every kept record stashed the weights of its forward: a record's
