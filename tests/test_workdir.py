@@ -5,14 +5,33 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 
 import pytest
 from helpers import ROOT
+from processes import run_command
 from training import quiet, small_config, stop_at_call
 
 from dgrad.train import SetupError, Stopped, StopRequests, build, metrics, train, workdir
 from dgrad.train import config as fields
 from dgrad.train.cli import load_config
+
+
+def test_looking_at_a_workdir_imports_no_model_library():
+    """A finished run's command reads its checkpoints' metadata and stops: the modules it
+    imports for that (workdir, checkpoint) must not pull in flax or optax, whose import
+    is most of its time. The full check, through the CLI, is in the slow set."""
+    status, output = run_command(
+        [
+            sys.executable,
+            "-c",
+            "import sys; import dgrad.train.workdir, dgrad.train.checkpoint; "
+            "print(sorted({'flax', 'optax'} & set(sys.modules)))",
+        ],
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert output.strip().splitlines()[-1] == "[]", output
 
 
 def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path):

@@ -63,7 +63,6 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from dgrad import distributed, placement
-from dgrad.stage import flat_gradients
 
 if TYPE_CHECKING:
     from dgrad.state import PipelineState
@@ -557,6 +556,8 @@ def _as_saved(stored, saved, layouts=()):
             for j, array in enumerate(layout.pack(leaves)):
                 path = record + (str(j),)
                 today[path] = jax.device_put(array, wanted[path].sharding)
+        from dgrad.stage import flat_gradients  # flax: not for a finished run's look
+
         for (_, k, _), flats in apart.items():
             weights = [p for p in wanted if p[:3] == ("stages", k, "params")]
             flat = flat_gradients([at[("stages", k, "gradient_sum", *p[3:])] for p in weights])
