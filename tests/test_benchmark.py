@@ -52,6 +52,26 @@ def test_memory_of_the_policies():
     assert dots_deep < kept_deep
 
 
+def test_the_dispatch_floors_count_freeing_what_the_calls_gave_back(monkeypatch):
+    """The engine frees every array a call gives back within its step's time, so the
+    floors' bare loops count freeing too: here a clock that only freeing advances, and
+    calls that give back a scalar (held to wait on) and an array freed on the next call."""
+    clock = [0.0]
+
+    class Freed:
+        size = 100  # larger than the scalar, so not the one held to wait on
+
+        def __del__(self):
+            clock[0] += 1.0
+
+    def call():
+        return jnp.zeros(()), Freed()
+
+    monkeypatch.setattr(benchmark.time, "thread_time", lambda: clock[0])
+    assert benchmark._host_seconds([call] * 3) == 3.0
+    assert benchmark._host_seconds([call] * 2, wait_each=True) == 2.0
+
+
 def test_the_plain_floor_trains_copies_and_leaves_the_modules_alone():
     stages = models.mlp([6, 16, 3])
     before = jax.tree.map(lambda a: a.copy(), nnx.state(stages[0]))
