@@ -279,54 +279,6 @@ class ResidualLayout:
         return f"ResidualLayout({self.num_leaves} leaves, {len(self.packed)} packed)"
 
 
-def flat_gradients(grads, grad_sum=None) -> dict[str, jax.Array]:
-    """`grads` held flat, one 1-D array per dtype (the leaves in tree order), added to
-    `grad_sum` (held so) where it is not None.
-
-    A stage's sum of microbatch gradients travels between its calls this way: each
-    array a compiled call takes or gives back costs the host its dispatch, and a stage
-    has an array per weight (a ResNet-20 stage 27-32). The additions are the leafwise
-    ones, element for element.
-
-    >>> import jax.numpy as jnp
-    >>> grads = {"bias": jnp.ones(2), "kernel": jnp.ones((3, 2))}
-    >>> total = flat_gradients(grads, flat_gradients(grads))
-    >>> total["float32"]
-    Array([2., 2., 2., 2., 2., 2., 2., 2.], dtype=float32)
-    >>> gradients_like(total, grads)["kernel"].shape
-    (3, 2)
-    """
-    leaves = jax.tree.leaves(grads)
-    dtypes = dict.fromkeys(jnp.dtype(leaf.dtype).name for leaf in leaves)
-    flat = {
-        dtype: jnp.concatenate(
-            [jnp.ravel(leaf) for leaf in leaves if jnp.dtype(leaf.dtype).name == dtype]
-        )
-        for dtype in dtypes
-    }
-    return flat if grad_sum is None else jax.tree.map(jnp.add, grad_sum, flat)
-
-
-def gradients_like(flat: dict[str, jax.Array], like):
-    """The tree of `like`'s structure and shapes whose leaves `flat_gradients` held flat
-    in `flat`.
-
-    >>> import jax.numpy as jnp
-    >>> grads = {"bias": jnp.zeros(2), "kernel": jnp.arange(6.0).reshape(3, 2)}
-    >>> gradients_like(flat_gradients(grads), grads)["kernel"]
-    Array([[0., 1.],
-           [2., 3.],
-           [4., 5.]], dtype=float32)
-    """
-    leaves, treedef = jax.tree.flatten(like)
-    offsets, cut = dict.fromkeys(flat, 0), []
-    for leaf in leaves:
-        dtype, size = jnp.dtype(leaf.dtype).name, int(np.prod(np.shape(leaf), dtype=int))
-        cut.append(flat[dtype][offsets[dtype] : offsets[dtype] + size].reshape(np.shape(leaf)))
-        offsets[dtype] += size
-    return jax.tree.unflatten(treedef, cut)
-
-
 class Calls(NamedTuple):
     """A stage's jitted functions (see the module docstring for what each does).
 
@@ -336,9 +288,9 @@ class Calls(NamedTuple):
     >>> opt_state = fns.optimizer.init(fns.params)
     >>> y, rest, record = fns.calls.forward(fns.params, fns.rest, opt_state, jnp.ones((4, 3)))
     >>> layout = fns.residual_layout(fns.params, fns.rest, jnp.ones((4, 3)))
-    >>> grad_sum, _ = fns.calls.backward_sum(fns.params, fns.rest, record, jnp.ones_like(y),
-    ...                                      None, layout)
-    >>> gradients_like(grad_sum, fns.params)["bias"]  # d(sum of outputs)/d(bias): 4 rows
+    >>> grads, _ = fns.calls.backward_sum(fns.params, fns.rest, record, jnp.ones_like(y), None,
+    ...                                   layout)
+    >>> grads["bias"]  # d(sum of outputs)/d(bias): one per row of the batch
     Array([4., 4.], dtype=float32)
     """
 
@@ -368,8 +320,7 @@ _JIT_OPTIONS = Calls(
     backward_sum={"donate_argnums": (4,), "static_argnums": (5,)},
     backward_input={"static_argnums": (4,)},
     backward_weights={"donate_argnums": (4,), "static_argnums": (5,)},
-    apply_sum={"donate_argnums": (1,)},  # the weights before it may be kept (2BW); the
-    # flat gradient sum has no output of its shape to give its buffer to
+    apply_sum={"donate_argnums": (1, 2)},  # the weights before it may be kept (2BW)
     loss_step={"donate_argnums": (0, 1, 2)},
     loss_sum={"donate_argnums": (4, 5)},
     loss_input={"donate_argnums": (4,)},
@@ -662,7 +613,9 @@ class StageFunctions:
         """Back-propagates `record`'s batch; returns `grad_sum` plus its parameter gradient
         (the gradient alone where `grad_sum` is None) and the input cotangent."""
         grads, input_cotangent = self._backward(record, params, rest, cotangent, layout)
-        return _constrain(flat_gradients(grads, grad_sum), self.replicated), input_cotangent
+        if grad_sum is not None:
+            grads = jax.tree.map(jnp.add, grad_sum, grads)
+        return _constrain(grads, self.replicated), input_cotangent
 
     def _backward_input(self, params, rest, record, cotangent, layout=None):
         """The input cotangent of `record`'s batch alone (zero-bubble's B)."""
@@ -674,9 +627,8 @@ class StageFunctions:
         return self._backward_sum(params, rest, record, cotangent, grad_sum, layout)[0]
 
     def _apply_sum(self, params, opt_state, grad_sum, count, stale_params=None):
-        """One update with the mean of the `count` gradients in `grad_sum` (held flat, see
-        `flat_gradients`)."""
-        grads = gradients_like({dtype: g / count for dtype, g in grad_sum.items()}, params)
+        """One update with the mean of the `count` gradients in `grad_sum`."""
+        grads = jax.tree.map(lambda g: g / count, grad_sum)
         return self.apply_optimizer(params, opt_state, grads, stale_params)
 
     def _step(self, params, rest, opt_state, record, cotangent, x, layout=None, update_first=False):
@@ -732,10 +684,11 @@ class StageFunctions:
         cotangent and `finite` and-ed with whether this loss is finite."""
         grads, cotangent, rest, metrics = self._loss_and_backward(params, rest, x, labels)
         if grad_sum is not None:
+            grads = jax.tree.map(jnp.add, grad_sum, grads)
             metrics = jax.tree.map(jnp.add, metric_sum, metrics)
         finite = finite & jnp.isfinite(metrics["loss"])
         return (
-            _constrain(flat_gradients(grads, grad_sum), self.replicated),
+            _constrain(grads, self.replicated),
             _constrain(rest, self.replicated),
             _constrain(cotangent, self.sharded),
             _constrain(metrics, self.replicated),

@@ -19,7 +19,7 @@ from flax import struct
 
 from dgrad.placement import Placement
 from dgrad.schedule import Schedule, Unit
-from dgrad.stage import Record, Residuals, StageFunctions, flat_gradients
+from dgrad.stage import Record, Residuals, StageFunctions
 
 
 @struct.dataclass
@@ -228,9 +228,7 @@ def structure(
         params, rest = on(fns.params, replicated), on(fns.rest, replicated)
         opt_state = on(jax.eval_shape(fns.optimizer.init, fns.params), replicated)
         previous = params if schedule.keeps_previous_weights else None
-        gradient_sum = None
-        if in_flight.summing[k] is not None:
-            gradient_sum = on(jax.eval_shape(flat_gradients, fns.params), replicated)
+        gradient_sum = None if in_flight.summing[k] is None else params
         stage = StageState(params, rest, opt_state, previous=previous, gradient_sum=gradient_sum)
         for unit in in_flight.kept[k]:
             stage = stage.keep(_record_structure(placement, k, fns, spec, opt_state), unit)

@@ -21,7 +21,6 @@ from helpers import (
 
 import dgrad
 from dgrad.options import MICROBATCHED
-from dgrad.stage import gradients_like
 from dgrad.train.checkpoint import Checkpointer, Unrestorable
 
 STEPS, SAVE_AT = 11, 5
@@ -197,47 +196,6 @@ def test_resumes_a_checkpoint_whose_records_hold_each_vjp_leaf_apart(tmp_path):
         layout.num_leaves - len(layout.packed) + 1
     ] * 2
     assert_equal(run(fresh, resumed, data[SAVE_AT:]), uninterrupted)
-
-
-def test_resumes_a_2bw_checkpoint_whose_gradient_sum_holds_a_gradient_per_weight(tmp_path):
-    """Until a stage held its sum of gradients flat (dgrad.stage.flat_gradients), a
-    PipeDream-2BW checkpoint held a gradient per weight; such a checkpoint resumes, holds
-    them flat and continues exactly (a sum cut out in another order would not)."""
-    data = batches("cnn", STEPS)
-    options = dict(method="2bw", microbatches=2)
-    pipe = build_pipeline("cnn", 2, devices=jax.devices()[:2], **options)
-    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
-    summing = [k for k, s in enumerate(state.stages) if s.gradient_sum is not None]
-    assert summing
-
-    def apart(stage):
-        if stage.gradient_sum is None:
-            return stage
-        return stage.replace(gradient_sum=gradients_like(stage.gradient_sum, stage.params))
-
-    old = state.replace(stages=tuple(map(apart, state.stages)))
-    k = summing[0]
-    assert (
-        len(jax.tree.leaves(old.stages[k].gradient_sum))
-        == len(jax.tree.leaves(state.stages[k].params))
-        > 1
-    )
-    with Checkpointer(tmp_path) as checkpoints:
-        checkpoints.save(old, {"note": "mid-run"})
-    saved_sum = jax.device_get(state.stages[k].gradient_sum)
-    uninterrupted = jax.device_get(run(pipe, state, data[SAVE_AT:]))
-    fresh = build_pipeline("cnn", 2, devices=jax.devices()[2:4], **options)
-    resumed = restored(tmp_path, fresh, data)
-    assert_equal(resumed.stages[k].gradient_sum, saved_sum)
-    assert_equal(run(fresh, resumed, data[SAVE_AT:]), uninterrupted)
-    resumed = restored(tmp_path, fresh, data)  # control: the sum held in another order
-    stages = list(resumed.stages)
-    reversed_sum = {dtype: g[::-1] for dtype, g in stages[k].gradient_sum.items()}
-    stages[k] = stages[k].replace(gradient_sum=reversed_sum)
-    with pytest.raises(AssertionError):
-        assert_equal(
-            run(fresh, resumed.replace(stages=tuple(stages)), data[SAVE_AT:]), uninterrupted
-        )
 
 
 def test_a_pipeline_that_keeps_weights_refuses_records_without_them(tmp_path):

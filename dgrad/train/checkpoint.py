@@ -481,16 +481,14 @@ def _as_saved(stored, saved, layouts=()):
     """`stored` (the target) in the shape of the `saved` metadata tree, and the function
     that maps what orbax restores in that shape back to `stored`'s.
 
-    Four kinds of older checkpoints restore into today's state:
+    Three kinds of older checkpoints restore into today's state:
     - written while dgrad held weights as `nnx.Variable`s: each weight is one level
       deeper, under `value`;
     - written while every kept record stashed the weights of its forward: a record's
       `params` that the target does not keep (nothing reads them, see
       `dgrad.stage.Residuals`) are read like the stage's weights and dropped;
     - written while a record held each leaf of its VJP apart: they are read as saved and
-      packed as stage k's `layouts[k]` packs them (`dgrad.stage.ResidualLayout`);
-    - written while a stage's gradient sum (PipeDream-2BW's, between steps) held a
-      gradient per weight: they are read as saved and held flat (`flat_gradients`).
+      packed as stage k's `layouts[k]` packs them (`dgrad.stage.ResidualLayout`).
     """
     paths, treedef = jax.tree_util.tree_flatten_with_path(stored)
     wanted = {_path(keys): leaf for keys, leaf in paths}
@@ -498,7 +496,6 @@ def _as_saved(stored, saved, layouts=()):
         _path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
     }
     unpacked = _unpacked_records(saved_leaves, layouts)
-    apart = _gradients_apart(saved_leaves, wanted)
 
     def target_of(path):  # the target's path that receives `path`'s array
         for candidate in (path, _weight_of_variable(path)):
@@ -511,9 +508,6 @@ def _as_saved(stored, saved, layouts=()):
         if path[:5] in unpacked:  # read as saved, packed in `back`
             at = unpacked[path[:5]].position(int(path[5]))
             owner[path] = None if at is None else path[:5] + (str(at),)
-            continue
-        if path[:3] in apart:  # read as saved, held flat in `back`
-            owner[path] = None
             continue
         owner[path] = target_of(path)
         if owner[path] is None and _is_stashed_weight(path):
@@ -528,10 +522,10 @@ def _as_saved(stored, saved, layouts=()):
             "checkpoint's records hold none (it was saved with another weights policy, "
             "probe_every or optimizer): resume with the options the run was saved with."
         )
-    missing -= {path for path in missing if path[:5] in unpacked or path[:3] in apart}
+    missing -= {path for path in missing if path[:5] in unpacked}  # packed in `back`
     if missing:
         raise _mismatch(min(missing), "lacks")
-    if not (unpacked or dropped or apart) and all(path == own for path, own in owner.items()):
+    if not unpacked and not dropped and all(path == own for path, own in owner.items()):
         return stored, lambda restored: restored  # today's layout
 
     def abstract(path):  # how orbax is to read the saved array at `path`
@@ -540,9 +534,6 @@ def _as_saved(stored, saved, layouts=()):
             packed = wanted[record + (str(unpacked[record].num_stored - 1),)]
             meta = saved_leaves[path]  # read whole on each device, as the packed array is
             return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=packed.sharding)
-        if path[:3] in apart:  # a weight's gradient, placed as the flat sum is
-            meta, flat = saved_leaves[path], wanted[apart[path[:3]][0]]
-            return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=flat.sharding)
         return wanted[owner[path] or dropped[path]]
 
     as_saved = jax.tree_util.tree_map_with_path(lambda keys, _: abstract(_path(keys)), saved)
@@ -556,13 +547,6 @@ def _as_saved(stored, saved, layouts=()):
             for j, array in enumerate(layout.pack(leaves)):
                 path = record + (str(j),)
                 today[path] = jax.device_put(array, wanted[path].sharding)
-        from dgrad.stage import flat_gradients  # flax: not for a finished run's look
-
-        for (_, k, _), flats in apart.items():
-            weights = [p for p in wanted if p[:3] == ("stages", k, "params")]
-            flat = flat_gradients([at[("stages", k, "gradient_sum", *p[3:])] for p in weights])
-            for path in flats:
-                today[path] = jax.device_put(flat[path[3]], wanted[path].sharding)
         return treedef.unflatten([today[path] for path in wanted])
 
     return as_saved, back
@@ -582,22 +566,6 @@ def _unpacked_records(saved_leaves, layouts) -> dict[tuple, Any]:
         if layout is not None and count == layout.num_leaves != layout.num_stored:
             unpacked[record] = layout
     return unpacked
-
-
-def _gradients_apart(saved_leaves, wanted) -> dict[tuple, list[tuple]]:
-    """The stages (`stages/<k>/gradient_sum`) whose saved gradient sum holds a gradient
-    per weight (`stages/<k>/gradient_sum/<weight...>`, one for each of the stage's
-    weights) where this pipeline's is held flat, with the paths of the flat arrays."""
-    apart = {}
-    for path in wanted:
-        if len(path) == 4 and path[2] == "gradient_sum":
-            apart.setdefault(path[:3], []).append(path)
-    for stage in list(apart):
-        held = {path[3:] for path in saved_leaves if path[:3] == stage}
-        weights = {path[3:] for path in wanted if path[:3] == ("stages", stage[1], "params")}
-        if held != weights or held == {path[3:] for path in apart[stage]}:
-            del apart[stage]
-    return apart
 
 
 def _mismatch(path, holds_or_lacks: str) -> ValueError:
