@@ -7,7 +7,10 @@ per case, the samples/s of every window, the host's milliseconds per step
 (the CPU time of the thread that dispatches a step: what the host costs
 when the devices are fast; time it spends blocked, e.g. waiting for a full
 dispatch queue, is not counted),
-and the cores busy (process CPU time over wall time). `state_bytes_per_device`
+and the cores busy (process CPU time over wall time). Each case steps on the batch
+placed once where its step takes it, as the training command's stream hands batches
+over (placed on its prefetch threads): copying a host batch every step would charge
+the dispatching thread 0.1-0.2 ms of the copy no training step pays. `state_bytes_per_device`
 is the memory a state holds on each device, counted from its arrays (the CPU
 backend reports no peak); `peak_memory` is the backend's own peak where it
 reports one (GPUs). `steady_allocator` keeps glibc's allocator from favouring
@@ -44,7 +47,8 @@ from dgrad import losses
 
 @dataclasses.dataclass
 class Case:
-    """One configuration to time: `step(state, batch) -> (state, metrics)` from `state`.
+    """One configuration to time: `step(state, batch) -> (state, metrics)` from `state`,
+    on `batch` where it is given (placed where the step takes it), else on `measure`'s.
 
     >>> import jax.numpy as jnp
     >>> case = Case("count", 1, 1, lambda state, batch: (state + 1, {}), jnp.zeros(()))
@@ -60,13 +64,15 @@ class Case:
     step: Callable
     state: Any
     pipe: Any = None  # the Pipeline, when the case is one
+    batch: Any = None
     rates: list[float] = dataclasses.field(default_factory=list)
     host_ms: list[float] = dataclasses.field(default_factory=list)
     cores_busy: list[float] = dataclasses.field(default_factory=list)
 
 
 def pipeline_case(name: str, pipe, batch, *, warmup: int | None = None) -> Case:
-    """A case of `pipe`, compiled and filled (2K + 2 steps) on `batch`.
+    """A case of `pipe`, compiled and filled (2K + 2 steps) on `batch`, which it steps on
+    placed on the first stage's devices as `dgrad.data.Stream` places it.
 
     >>> import jax.numpy as jnp, optax
     >>> import dgrad
@@ -76,13 +82,16 @@ def pipeline_case(name: str, pipe, batch, *, warmup: int | None = None) -> Case:
     >>> case = pipeline_case("fdg", pipe, batch)
     >>> case.name, case.num_stages, case.data_parallel, case.state.step  # filled: 2K + 2 steps
     ('fdg', 2, 1, 6)
+    >>> case.batch[0].sharding == pipe.placement.sharded(0)
+    True
     """
+    batch = pipe.placement.put_batch(batch, 0)
     state = pipe.init(batch)
     for _ in range(2 * pipe.num_stages + 2 if warmup is None else warmup):
         state, _ = pipe.step(state, batch)
     jax.block_until_ready(state)
     groups = pipe.schedule.num_devices  # K: interleaved chunks share their groups
-    return Case(name, groups, pipe.placement.data_parallel, pipe.step, state, pipe)
+    return Case(name, groups, pipe.placement.data_parallel, pipe.step, state, pipe, batch)
 
 
 def plain_case(
@@ -126,11 +135,11 @@ def plain_case(
         params, rest, opt_state, loss = jitted(*state, *jax.device_put(batch, device))
         return (params, rest, opt_state), {"loss": loss}
 
-    state = (params, rest, opt_state)
+    state, batch = (params, rest, opt_state), jax.device_put(batch, device)
     for _ in range(2):
         state, _ = step(state, batch)
     jax.block_until_ready(state)
-    return Case(name, 1, 1, step, state)
+    return Case(name, 1, 1, step, state, batch=batch)
 
 
 def dispatched_per_step(pipe, step: int = 100) -> tuple[int, int]:
@@ -293,8 +302,8 @@ def _busy(block, rounds: int):
 
 def measure(cases: Sequence[Case], batch, *, windows: int = 9, steps: int = 6) -> list[Case]:
     """Times `steps` steps of every case per window, round-robin for `windows` rounds,
-    each round starting at another case; fills the cases' `rates`, `host_ms` and
-    `cores_busy` and returns them.
+    each round starting at another case, on the case's own placed batch where it has one
+    (else on `batch`); fills the cases' `rates`, `host_ms` and `cores_busy` and returns them.
 
     >>> import jax.numpy as jnp, optax
     >>> from dgrad import models
@@ -307,10 +316,10 @@ def measure(cases: Sequence[Case], batch, *, windows: int = 9, steps: int = 6) -
     for round_ in range(windows):
         shift = round_ % len(cases)
         for case in list(cases[shift:]) + list(cases[:shift]):
-            state = case.state
+            state, fed = case.state, batch if case.batch is None else case.batch
             cpu, host, start = time.process_time(), time.thread_time(), time.perf_counter()
             for _ in range(steps):
-                state, _ = case.step(state, batch)
+                state, _ = case.step(state, fed)
             host = time.thread_time() - host
             jax.block_until_ready(state)
             wall = time.perf_counter() - start

@@ -222,7 +222,7 @@ def serve(spec: dict, *, stdin=None, stdout=None) -> None:
         fused=spec["fused"],
         **spec.get("options", {}),
     )
-    batch = example_batch(spec)
+    batch = pipe.placement.put_batch(example_batch(spec), 0)  # as the training stream hands it
     state = pipe.init(batch)
     for _ in range(2 * pipe.num_stages + 2):
         state, _ = pipe.step(state, batch)

@@ -238,13 +238,13 @@ def _per_call(case) -> str:
     )
 
 
-def _print_dispatch_states(cases, batch) -> None:
+def _print_dispatch_states(cases) -> None:
     """Each pipeline's host µs per call in the engine's steps beside the same step's calls
     replayed in four states of the devices' queues (`dgrad.benchmark.dispatch_by_queue`)."""
     from dgrad import benchmark as bench
 
     pipelines = [c for c in cases if c.num_stages > 1 and getattr(c, "dispatched", None)]
-    table = [(c, bench.dispatch_by_queue(c.pipe, c.state, batch)) for c in pipelines]
+    table = [(c, bench.dispatch_by_queue(c.pipe, c.state, c.batch)) for c in pipelines]
     states = list(table[0][1]) if table else []
     print()
     print("| configuration | K | D | engine | " + " | ".join(states) + " |  (host µs per call)")
@@ -554,13 +554,13 @@ def main(argv=None):
             timeline = Timeline()
             watched = timeline.watch(case.pipe)
             for _ in range(steps):
-                case.state, _ = watched.step(case.state, batch)
+                case.state, _ = watched.step(case.state, case.batch)
             timeline.close()
         case.device_busy = timeline.busy_fraction()
         case.call_costs = timing.costs_of(timeline.events)
         case.dispatched = bench.dispatched_per_step(case.pipe)
         dispatch = bench.median(case.host_ms) / 1e3 / sum(case.dispatched)
-        case.floor = bench.dispatch_floor(case.pipe, case.state, batch)
+        case.floor = bench.dispatch_floor(case.pipe, case.state, case.batch)
         case.prediction = timing.simulate(case.pipe.schedule, case.call_costs, dispatch=dispatch)
         if args.timeline:
             os.makedirs(args.timeline, exist_ok=True)
@@ -606,7 +606,7 @@ def main(argv=None):
             + " |"
         )
     if args.dispatch_states:
-        _print_dispatch_states(cases, batch)
+        _print_dispatch_states(cases)
     peaks = bench.peak_memory(devices)
     if peaks:
         print(

@@ -8,6 +8,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -70,6 +71,37 @@ def test_the_dispatch_floors_count_freeing_what_the_calls_gave_back(monkeypatch)
     monkeypatch.setattr(benchmark.time, "thread_time", lambda: clock[0])
     assert benchmark._host_seconds([call] * 3) == 3.0
     assert benchmark._host_seconds([call] * 2, wait_each=True) == 2.0
+
+
+def test_each_case_steps_on_its_batch_placed_once_where_its_step_takes_it():
+    """As the training stream hands batches over placed, so no timed step copies a host
+    batch; a case without its own batch gets the one `measure` is given."""
+    host = (np.ones((8, 6), np.float32), np.zeros((8,), np.int32))
+    pipe = dgrad.Pipeline(
+        models.mlp([6, 8, 3], num_stages=2), optimizer=optax.sgd(0.1), devices=jax.devices()[:2]
+    )
+    placed = benchmark.pipeline_case("fdg", pipe, host)
+    floor = benchmark.plain_case("plain", models.mlp([6, 8, 3]), optax.sgd(0.1), host)
+    fed = {}
+
+    def watch(case):
+        step = case.step
+
+        def watched(state, batch):
+            fed.setdefault(case.name, []).append(batch)
+            return step(state, batch)
+
+        case.step = watched
+
+    bare = benchmark.Case("bare", 1, 1, lambda state, batch: (state, {}), None)
+    for case in (placed, floor, bare):
+        watch(case)
+    benchmark.measure([placed, floor, bare], host, windows=2, steps=2)
+    assert placed.batch[0].sharding == pipe.placement.sharded(0)
+    assert floor.batch[1].devices() == {jax.devices()[0]}
+    for case in (placed, floor):
+        assert len(fed[case.name]) == 4 and all(b is case.batch for b in fed[case.name])
+    assert all(b is host for b in fed["bare"])
 
 
 def test_the_plain_floor_trains_copies_and_leaves_the_modules_alone():
