@@ -175,6 +175,31 @@ def test_a_split_the_model_lacks_is_one_line():
     ], output
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["nope"],
+            "error: unknown part 'nope'; use scale, gpt, sync or all (then benchmark flags)",
+        ),
+        (
+            ["sync", "--model", "gpt"],
+            "error: no GPU found by JAX; install the cuda12 extra: pip install -e '.[cuda12]'",
+        ),
+    ],
+)
+def test_the_gpu_check_refuses_in_one_line(args, message):
+    """An unknown part, or a machine whose JAX sees no GPU, is one line and exit 2 before
+    anything is timed."""
+    status, output = run_command(
+        ["bash", str(ROOT / "experiments" / "gpu_check.sh"), *args],
+        timeout=120,
+        env={"PYTHON": sys.executable, "JAX_PLATFORMS": "cpu"},
+        check=False,
+    )
+    assert (status, output.strip()) == (2, message), output
+
+
 @pytest.mark.slow
 def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""
