@@ -32,19 +32,20 @@ if [ "$gpus" -eq 0 ]; then
   exit 2
 fi
 stages=$(seq -s, 1 "$(( gpus > 1 ? gpus : 2 ))")
+wants() { [ "$part" = "$1" ] || [ "$part" = all ]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-if [ "$part" = scale ] || [ "$part" = all ]; then
+if wants scale; then
   for model in resnet56 wrn28-10; do
     "$python" -m experiments.benchmark --model "$model" --batch-size 128 --stages "$stages" \
       --split balanced --policies --windows 5 --steps 5 "$@"
   done
 fi
-if [ "$part" = gpt ] || [ "$part" = all ]; then
+if wants gpt; then
   "$python" -m experiments.benchmark --model gpt --layers 8 --dim 768 --heads 12 --context 512 \
     --batch-size 16 --stages "$stages" --split balanced --methods ddg,fdg,1f1b \
     --microbatches 4 --windows 5 --steps 5 --peak-tflops "${PEAK_TFLOPS:-495}" "$@"
 fi
-if [ "$part" = sync ] || [ "$part" = all ]; then
+if wants sync; then
   "$python" -m experiments.benchmark --stages 2 --microbatches 4 --virtual-stages 2 \
     --methods gpipe,1f1b,zb,2bw,fdg --windows 3 --steps 3 "$@"
 fi
