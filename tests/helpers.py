@@ -39,6 +39,8 @@ SMOOTH_OPTIMIZER = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, 
 def build_stages(model: str, num_stages: int):
     if model == "mlp":
         return models.mlp([6, 16, 16, 16, NUM_CLASSES], num_stages=num_stages, rngs=1)
+    if model == "deep mlp":  # six blocks: K = 2 groups of V = 3 chunks
+        return models.mlp([6, 16, 16, 16, 16, 16, NUM_CLASSES], num_stages=num_stages, rngs=1)
     if model == "cnn":  # ResNet-8 with 4 channels: five blocks, BatchNorm everywhere
         return models.cifar_resnet(
             8, NUM_CLASSES, num_stages, width=4, in_channels=1, split="balanced", rngs=1
@@ -71,7 +73,9 @@ def whole_model_loss(stages):
 
 
 def input_shape(model: str):
-    return {"mlp": (BATCH, 6), "gpt": (BATCH, CONTEXT)}.get(model, (BATCH, 8, 8, 1))
+    return {"mlp": (BATCH, 6), "deep mlp": (BATCH, 6), "gpt": (BATCH, CONTEXT)}.get(
+        model, (BATCH, 8, 8, 1)
+    )
 
 
 def batches(model: str, count: int, seed: int = 0):

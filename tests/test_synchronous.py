@@ -63,6 +63,7 @@ def interleaved_layouts():
     [
         ("mlp", 2, 2),
         pytest.param("mlp", 2, 4, marks=SLOW),
+        pytest.param("deep mlp", 3, 4, marks=SLOW),
         pytest.param("cnn", 2, 2, marks=SLOW),
     ],
 )
