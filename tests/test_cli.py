@@ -130,6 +130,17 @@ def test_gpipe_from_the_command_line_trains_fused_backprop_s_numbers(tmp_path):
             "cannot be cut into num_stages=9",
             marks=pytest.mark.slow,
         ),
+        pytest.param(
+            ["--config.method=zb", "--config.virtual_stages=2", "--config.microbatches=2"]
+            + ["--config.num_stages=3", "--config.baseline="],
+            "Here the 6 are num_stages=3 x virtual_stages=2 chunks",
+            marks=pytest.mark.slow,
+        ),
+        (
+            ["--config.method=gpipe", "--config.virtual_stages=2"],
+            "use one of those methods with it, or virtual_stages=1 with method=gpipe",
+        ),
+        (["--config.method=2bw", "--config.weights=current"], "leave weights unset or use"),
     ],
 )
 def test_a_mistake_gets_one_line_and_status_2(tmp_path, args, message):

@@ -243,7 +243,15 @@ def build_pipeline(
     >>> build_pipeline(config, run, load_dataset(config), 10, jax.devices()[:1])
     Pipeline(method='fdg', num_stages=2, beta=1.0, weights='stash', memory='residuals', ...)
     """
-    stages = build_stages(config, run.num_stages, dataset)
+    try:
+        stages = build_stages(config, run.num_stages, dataset)
+    except ValueError as error:
+        if run.num_stages == config.num_stages:
+            raise
+        raise ValueError(
+            f"{error} Here the {run.num_stages} are num_stages={config.num_stages} x "
+            f"virtual_stages={config.virtual_stages} chunks."
+        ) from None
     if run.method == "dgl":
         example = np.zeros((1, *dataset.input_shape), np.float32)
         stages = models.with_aux_heads(stages, dataset.num_classes, example, rngs=config.seed)
