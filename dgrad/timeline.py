@@ -268,10 +268,13 @@ class Timeline:
         from matplotlib.figure import Figure
         from matplotlib.patches import Rectangle
 
-        colours = {
+        colours = {  # the first name a call's name starts with gives its colour
             "forward": "tab:blue",
             "step": "tab:green",
+            "backward_input": "tab:cyan",  # zero-bubble's B
+            "backward_weights": "tab:olive",  # and its W
             "backward": "tab:orange",
+            "loss_input": "tab:pink",
             "loss": "tab:red",
             "aux": "tab:brown",
             "apply": "tab:gray",

@@ -10,7 +10,7 @@ from helpers import assert_equal
 
 import dgrad
 from dgrad import models
-from dgrad.timeline import Timeline
+from dgrad.timeline import Timeline, unit_of
 
 
 def test_timeline_watches_from_outside_without_changing_numbers(tmp_path):
@@ -69,6 +69,39 @@ def test_timeline_records_each_microbatch_in_the_order_the_stages_ran_them(metho
         assert stage_0 == [*order, *backwards[2:], ("apply_sum", None)]
     stage_1 = [e.unit for e in timeline.events if e.stage == 1 and e.step == 1]
     assert stage_1 == [*((1, m) for m in range(4)), None]  # four losses, then the update
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, virtual_stages", [("1f1b", 2), ("zb", 1), ("zb", 2), ("2bw", 1)])
+def test_timeline_follows_the_chunked_and_zero_bubble_timetables(method, virtual_stages, tmp_path):
+    """Interleaved 1F1B, ZB-H1, ZB-V and 2BW: each stage's recorded calls are its timetable's
+    units in order, each on its group's device; the chart draws them."""
+    batch = (jnp.ones((8, 6)), jnp.zeros((8,), jnp.int32))
+    chunks = 2 * virtual_stages
+    pipe = dgrad.Pipeline(
+        models.mlp([6, 16, 16, 16, 16, 3], num_stages=chunks),
+        method=method,
+        microbatches=4,
+        virtual_stages=virtual_stages,
+        optimizer=optax.sgd(0.1),
+        devices=jax.devices()[:2],
+    )
+    state, timeline = pipe.init(batch), Timeline()
+    watched = timeline.watch(pipe)
+    for _ in range(3):
+        state, _ = watched.step(state, batch)
+    timeline.close()
+    for k in range(chunks):
+        recorded = [e.unit for e in timeline.events if e.stage == k and e.step == 1]
+        assert recorded == [unit_of(c) for c in pipe.schedule.work(1) if c.stage == k], k
+    placed = {(k, pipe.placement.groups[k][0].id) for k in range(chunks)}
+    assert {(e.stage, e.device) for e in timeline.events} == placed
+    assert {device for _, device in placed} == {0, 1}
+    names = {e.name for e in timeline.events}
+    assert ("backward_weights" in names) == (method == "zb")  # zero-bubble's W
+    assert ("backward_input" in names) == (method == "zb" and chunks > 2)  # a B sent back on
+    timeline.gantt(tmp_path / "gantt.png", title=method)
+    assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_step_that_fails_leaves_the_timeline_counting_right():
