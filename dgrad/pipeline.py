@@ -37,7 +37,7 @@ from dgrad import losses
 from dgrad.optim import accumulate, shrink
 from dgrad.optim.per_stage import Optimizer, for_stage
 from dgrad.optim.prediction import momentum_of, remember_update
-from dgrad.options import Options
+from dgrad.options import MICROBATCHED, Options
 from dgrad.placement import Placement, share
 from dgrad.probe import Probe
 from dgrad.schedule import (
@@ -246,9 +246,20 @@ class Pipeline:
         return self.placement.devices
 
     def __repr__(self):
+        """The method and what sets its timetable, its options and its placement.
+
+        >>> import jax, optax
+        >>> from dgrad import models
+        >>> Pipeline(models.mlp([4, 8, 8, 8, 3], num_stages=4), method="zb", microbatches=2,
+        ...          virtual_stages=2, optimizer=optax.sgd(0.1), devices=jax.devices()[:1])
+        Pipeline(method='zb', num_stages=4, microbatches=2, virtual_stages=2, beta=1.0, ...)
+        """
         o = self.options
+        split = f"microbatches={o.microbatches}, " if o.method in MICROBATCHED else ""
+        if o.virtual_stages > 1:
+            split += f"virtual_stages={o.virtual_stages}, "
         return (
-            f"Pipeline(method={o.method!r}, num_stages={self.num_stages}, beta={o.beta}, "
+            f"Pipeline(method={o.method!r}, num_stages={self.num_stages}, {split}beta={o.beta}, "
             f"weights={o.weights!r}, memory={o.memory!r}, {self.placement})"
         )
 
