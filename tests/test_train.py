@@ -17,6 +17,7 @@ from dgrad.options import method_title
 from dgrad.train import Stopped, build, export, metrics, train
 from dgrad.train.checkpoint import Checkpointer
 from dgrad.train.cli import load_config
+from dgrad.train.config import runs_of
 
 
 @pytest.mark.parametrize(
@@ -46,6 +47,27 @@ def test_a_stopped_run_resumes_to_the_same_bits_on_another_layout(
     run = f"{method}_k3" + (f"_m{microbatches}" if microbatches else "")
     title = f"{method_title(method)} K=3" + (f" M={microbatches}" if microbatches else "")
     assert_resumes_exactly(tmp_path, monkeypatch, config, (run, title), 13, ["10", "13"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "method, num_stages, virtual_stages, run",
+    [
+        ("zb", 3, 1, ("zb_k3_m2", "ZB-H1 K=3 M=2")),
+        ("1f1b", 2, 2, ("1f1b_k2_v2_m2", "1F1B K=2 V=2 M=2")),
+        ("zb", 2, 2, ("zb_k2_v2_m2", "ZB-V K=2 V=2 M=2")),
+    ],
+)
+def test_a_stopped_zero_bubble_or_interleaved_run_resumes_to_the_same_bits(
+    tmp_path, monkeypatch, method, num_stages, virtual_stages, run
+):
+    """ZB-H1, interleaved 1F1B and ZB-V (K*V chunks of a four-block MLP) stopped mid-run
+    and resumed on the devices in reverse end as the run never stopped."""
+    config = small_config(
+        method=method, num_stages=num_stages, microbatches=2, virtual_stages=virtual_stages
+    )
+    config.model.hidden = (32, 32, 32)
+    assert_resumes_exactly(tmp_path, monkeypatch, config, run, 13, ["10", "13"])
 
 
 @pytest.mark.parametrize(
@@ -96,10 +118,10 @@ def assert_resumes_exactly(tmp_path, monkeypatch, config, run_and_title, stop_at
     last = records(tmp_path / "cut", run)[-1]
     clock = {k: v for k, v in again[title].items() if k in metrics.CLOCK}
     assert again[title] == last | clock and "seconds" in clock
-    dataset = build.load_dataset(config)
-    stages = build.build_stages(config, config.num_stages, dataset)
+    dataset, chunks = build.load_dataset(config), runs_of(config)[0].num_stages
+    stages = build.build_stages(config, chunks, dataset)
     whole = nnx.state(export.load(stages, tmp_path / "whole" / run / "model"))
-    stages = build.build_stages(config, config.num_stages, dataset)
+    stages = build.build_stages(config, chunks, dataset)
     cut = nnx.state(export.load(stages, tmp_path / "cut" / run / "model"))
     assert_equal(cut, whole)
 
