@@ -99,7 +99,7 @@ def test_timeline_follows_the_chunked_and_zero_bubble_timetables(method, virtual
     assert {device for _, device in placed} == {0, 1}
     names = {e.name for e in timeline.events}
     assert ("backward_weights" in names) == (method == "zb")  # zero-bubble's W
-    assert ("backward_input" in names) == (method == "zb" and chunks > 2)  # a B sent back on
+    assert ("backward_input" in names) == (method == "zb" and chunks > 2)  # B: middle chunks
     timeline.gantt(tmp_path / "gantt.png", title=method)
     assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
 
