@@ -159,7 +159,8 @@ class Placement:
         `"interleaved"`: replica r of stage k on `devices[r*K + k]`, so each run of
         K devices holds a whole pipeline (with devices listed by process, every
         process then holds every stage); `"one_per_device"`: like spread but
-        never shares; or a list of K device indices (or K lists of D indices).
+        never shares; or a list of K device indices (or K lists of D indices;
+        with V > 1, one per device group).
       data_parallel: D, devices per stage; -1 uses them all (D = devices // K).
         Explicit index lists say D themselves (a D other than 1 or -1 must agree).
       fused: one group for all stages (fused backprop, data parallel over D).
@@ -175,6 +176,9 @@ class Placement:
     >>> placed = Placement(4, jax.devices()[:2], virtual_stages=2, group_of=v_shape)
     >>> [[d.id for d in g] for g in placed.groups]
     [[0], [1], [1], [0]]
+    >>> listed = Placement(4, jax.devices()[:2], [1, 0], virtual_stages=2, group_of=v_shape)
+    >>> [[d.id for d in g] for g in listed.groups]  # the groups listed, the chunks in a V
+    [[1], [0], [0], [1]]
     >>> shared = Placement(2, jax.devices()[:1])  # two stages on one device
     >>> shared.data_parallel, shared.groups[0] == shared.groups[1]
     (1, True)
@@ -207,9 +211,17 @@ class Placement:
         if len(set(devices)) != len(devices):
             raise ValueError("devices lists a device twice; pass each device once.")
         self.num_stages = num_stages
-        if virtual_stages > 1 and isinstance(placement, str):  # chunk j on group_of(j)
+        if virtual_stages > 1:  # chunk j on group_of(j)
+            num_groups = num_stages // virtual_stages
+            if not isinstance(placement, str) and len(placement) != num_groups:
+                raise ValueError(
+                    f"placement lists {len(placement)} entries for {num_stages} chunks = "
+                    f"{num_groups} device groups x virtual_stages={virtual_stages}; give one "
+                    f"device index (or list of indices) per group, {num_groups} in all: the "
+                    "schedule puts each chunk on its group."
+                )
             groups, self.data_parallel = _groups(
-                num_stages // virtual_stages, devices, placement, data_parallel, fused
+                num_groups, devices, placement, data_parallel, fused
             )
             group_of = group_of or (lambda j: j % len(groups))
             self.groups = tuple(groups[group_of(j)] for j in range(num_stages))

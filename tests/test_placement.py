@@ -37,12 +37,38 @@ def test_layouts_of_stages_and_replicas():
         (dict(num_stages=2, placement=[[0, 1], [2, 3]], data_parallel=4), "make them agree"),
         (dict(num_stages=1, data_parallel=8, fused=True, method="bp"), "needs 8 devices"),
         (dict(num_stages=2, data_parallel=0), "data_parallel must be an integer >= 1"),
+        (
+            dict(num_stages=4, method="zb", virtual_stages=2, placement=[0, 1, 2, 3]),
+            r"placement lists 4 entries for 4 chunks = 2 device groups x virtual_stages=2",
+        ),
     ],
 )
 def test_layouts_that_cannot_work_say_why(kwargs, match):
     num_stages = kwargs.pop("num_stages")
     with pytest.raises(ValueError, match=match):
         build_pipeline("mlp", num_stages, devices=jax.devices(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "method, order",
+    [("1f1b", [0, 1, 0, 1]), ("zb", [0, 1, 1, 0])],  # interleaved; ZB-V's V
+)
+def test_a_placement_list_with_virtual_stages_names_the_device_groups(method, order):
+    """With V > 1 an explicit list gives the K groups, and each chunk goes to the group its
+    schedule runs it on: listing [[3, 2], [1, 0]] moves the groups, not the order."""
+    devices = jax.devices()
+    pipe = build_pipeline(
+        "mlp",
+        4,
+        method=method,
+        virtual_stages=2,
+        microbatches=2,
+        devices=devices,
+        placement=[[3, 2], [1, 0]],
+    )
+    listed = [(devices[3], devices[2]), (devices[1], devices[0])]
+    assert pipe.placement.groups == tuple(listed[g] for g in order)
+    assert [pipe.schedule.device_of(j) for j in range(4)] == order
 
 
 def test_a_batch_that_does_not_split_between_replicas():
