@@ -8,7 +8,9 @@ exist, moved in `move` seconds where they cross devices. `simulate` plays a
 seconds per step, and each device's idle share. With the papers' unit costs (a
 forward 1, a backward 2, zero-bubble's B and W 1 each, nothing else) it gives a
 timetable's ideal bubble; fed costs measured on a device (`costs_of`, from a
-`dgrad.timeline.Timeline`) it predicts any K, M and V on that device.
+`dgrad.timeline.Timeline`) it predicts the configuration they were measured on, beside
+its measured step; fed a cost for each function on every stage (`every_stage` carries
+measured costs over to other K, M and V), any configuration on that device.
 
 >>> from dgrad.schedule import Schedule
 >>> gpipe = simulate(Schedule("gpipe", 4, microbatches=8))
@@ -105,17 +107,50 @@ class Prediction:
 def _cost_of(costs: Costs) -> Callable[[int, str], float]:
     if callable(costs):
         return costs
-    by_name = {name: value for (stage, name), value in costs.items() if stage is None}
-    return lambda stage, name: costs.get((stage, name), by_name.get(name, 0.0))
+
+    def cost(stage: int, name: str) -> float:
+        for key in ((stage, name), (None, name)):
+            if key in costs:
+                return costs[key]
+        raise ValueError(
+            f"no cost for stage {stage}'s {name}: give costs[({stage}, {name!r})], or "
+            f"costs[(None, {name!r})] for every stage (timing.every_stage carries costs "
+            "measured on another K, M or V over)."
+        )
+
+    return cost
+
+
+def every_stage(costs: Mapping[tuple[int, str], float], scale: float = 1.0) -> dict:
+    """Each function's cost the same on every stage: the median over the stages of `costs`
+    that ran it, times `scale`. Measured at K stages of a balanced split and carried to K'
+    stages of the same model, a call does about K/K' the work: `scale=K / K'`. The share of
+    a call that does not shrink with the stage (its dispatch, on a GPU its launch) is not
+    separated out; `simulate`'s `dispatch` is the host's side of it.
+
+    >>> measured = {(0, "forward"): 2.0, (1, "forward"): 4.0, (1, "loss_sum"): 6.0}
+    >>> every_stage(measured, scale=0.5)  # from K = 2 to K = 4
+    {(None, 'forward'): 1.5, (None, 'loss_sum'): 3.0}
+    """
+    by_name: dict[str, list[float]] = {}
+    for (_, name), seconds in costs.items():
+        by_name.setdefault(name, []).append(seconds)
+    return {(None, name): scale * statistics.median(values) for name, values in by_name.items()}
 
 
 def unit_costs(stage: int, name: str) -> float:
     """The papers' cost of `name` (any stage): forward 1, backward 2, B and W 1 each.
+    A whole fused step has none that does not depend on the model (pass measured costs).
 
     >>> unit_costs(0, "forward"), unit_costs(3, "loss_sum"), unit_costs(1, "apply_sum")
     (1.0, 3.0, 0.0)
     """
-    return UNIT_COSTS.get(name, 0.0)
+    if name not in UNIT_COSTS:
+        raise ValueError(
+            f"the papers' unit costs do not cover {name}; pass measured costs for it "
+            "(timing.costs_of)."
+        )
+    return UNIT_COSTS[name]
 
 
 def simulate(
@@ -127,10 +162,12 @@ def simulate(
     steps: int | None = None,
 ) -> Prediction:
     """Plays `steps` steps of `schedule` with each call costing `costs[(stage, name)]`
-    seconds (a key `(None, name)` stands for every stage; missing: 0), the host spending
+    seconds (a key `(None, name)` stands for every stage; a call with neither is a
+    ValueError that names it), the host spending
     `dispatch` seconds on each call it dispatches and each message that crosses devices
-    taking `move` seconds; returns the second half's `Prediction` (`steps` defaults to
-    16, or four times as many as a batch spends in the pipeline, so that the fill is over).
+    taking `move` seconds; returns the second half's `Prediction`. It starts where the
+    pipeline is full (so fill-only calls need no cost) and plays `steps` (default 16, or
+    four times as many as a batch spends in the pipeline), the first half to settle.
 
     >>> from dgrad.schedule import Schedule
     >>> one = simulate(Schedule("1f1b", 4, microbatches=8))
@@ -142,13 +179,14 @@ def simulate(
     70.0
     """
     cost = _cost_of(costs)
-    steps = steps or max(16, 4 * (schedule.longest_wait() + 1))
+    full = schedule.longest_wait()  # from here on every step runs the same functions
+    steps = steps or max(16, 4 * (full + 1))
     devices = schedule.num_devices if not schedule.fused else 1
     free = [0.0] * devices
     busy = [0.0] * devices
     ready: dict[tuple, tuple[float, int]] = {}  # message -> (when it was sent, from device)
     host, ends = 0.0, []
-    for t in range(steps):
+    for t in range(full, full + steps):
         end = 0.0
         for call in schedule.work(t):
             stage = getattr(call, "stage", 0)
@@ -162,7 +200,7 @@ def simulate(
             seconds = cost(stage, call_name(call))
             free[device] = start + seconds
             end = max(end, free[device])
-            if t >= steps // 2:
+            if t >= full + steps // 2:
                 busy[device] += seconds
             for message in messages_sent(schedule, call):
                 ready[message] = (free[device], device)

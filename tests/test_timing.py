@@ -8,7 +8,7 @@ from helpers import batches, build_pipeline
 from dgrad import schedule as sched
 from dgrad.schedule import Schedule
 from dgrad.timeline import Event
-from dgrad.timing import call_name, costs_of, simulate
+from dgrad.timing import call_name, costs_of, every_stage, simulate
 
 
 @pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (3, 5), (8, 32)])
@@ -69,10 +69,33 @@ def test_the_model_sees_an_order_that_waits():
 def test_costs_reach_the_prediction():
     """A stage twice as slow sets the pace; dispatch on the host and moves add up."""
     s = Schedule("1f1b", 2, microbatches=4)
-    slow = simulate(s, {(0, "forward"): 2.0, (None, "forward"): 1.0, (None, "backward_sum"): 2.0})
+    free = {(None, "loss_sum"): 0.0, (None, "apply_sum"): 0.0}
+    slow = simulate(
+        s, {(0, "forward"): 2.0, (None, "forward"): 1.0, (None, "backward_sum"): 2.0, **free}
+    )
     assert slow.busy_seconds == (4 * 2.0 + 4 * 2.0, 0.0)  # stage 1's loss_sum costs nothing
     assert simulate(s, dispatch=2.0).step_seconds == 2.0 * (4 + 4 + 1 + 4 + 1)  # host-bound
     assert simulate(s, move=1.0).step_seconds > simulate(s).step_seconds
+
+
+def test_a_call_without_a_cost_is_named_not_taken_as_free():
+    """Costs measured at K = 2 name no stage 2 or 3: a K = 4 prediction from them says
+    so, and `every_stage` carries them over (a K = 4 stage does half a K = 2 stage's work)."""
+    measured = {
+        (0, "forward"): 1.0,
+        (0, "backward_sum"): 2.0,
+        (1, "loss_sum"): 3.0,
+        (0, "apply_sum"): 0.0,
+        (1, "apply_sum"): 0.0,
+    }
+    assert simulate(Schedule("gpipe", 2, microbatches=4), measured).step_seconds == 15.0
+    four = Schedule("gpipe", 4, microbatches=4)
+    with pytest.raises(ValueError, match=r"no cost for stage 1's forward: give costs\[\(1, "):
+        simulate(four, measured)
+    carried = simulate(four, every_stage(measured, scale=2 / 4))
+    assert carried.step_seconds == pytest.approx(1.5 * (4 + 4 - 1))  # (M+K-1) x (F+B)/2
+    with pytest.raises(ValueError, match="unit costs do not cover fused_step"):
+        simulate(Schedule("bp", 2, fused=True))
 
 
 def test_costs_of_takes_each_functions_median():
