@@ -96,14 +96,15 @@ class Options:
     weights: str | None = _help(
         None,
         "weights of the delayed backward: stash (those the batch's forward used) or current "
-        "(the stage's weights at backward time; needs memory=recompute); unset: stash (fr: "
-        "current)",
+        "(the stage's weights at backward time; needs memory=recompute; not with pipedream "
+        "or 2bw, which stash); unset: stash (fr: current)",
     )
     memory: str | None = _help(
         None,
         "what a stage keeps for its delayed backward: residuals (everything the VJP saves), "
         "dots (only matmul and convolution outputs, the rest recomputed) or recompute (only "
-        "the stage input; the forward is recomputed); unset: residuals (fr: recompute)",
+        "the stage input; the forward is recomputed; not with zb, whose weight gradients "
+        "read the residuals); unset: residuals (fr: recompute)",
     )
     fused: bool = _help(
         False, "with method=bp: the whole step as one jitted function on one device group"
@@ -121,12 +122,16 @@ class Options:
     data_parallel: int = _help(
         1,
         "D, devices per stage: each stage is replicated on D devices and the batch split "
-        "between them (-1: every device, D = devices // stages)",
+        "between them (-1: every device, D = devices // device groups, K groups of the K*V "
+        "chunks with virtual_stages)",
     )
     accumulate: int = _help(
         1,
-        "M, gradients summed per update (ADL, Zhuang et al. 2020, with method fdg: each stage "
-        "sums M stale gradients, as the authors' code does, and steps once)",
+        "N, steps of gradients summed per update: each stage adds up the gradients of N steps "
+        "and steps once, no update in between (with fdg: ADL, Zhuang et al. 2020, N stale "
+        "gradients as the authors' code sums them; with gpipe, 1f1b, zb, 2bw: N batches of "
+        "microbatches; 2bw's weights one version old are then those before the last step, "
+        "unchanged between updates)",
     )
     probe_every: int | None = _help(
         None,

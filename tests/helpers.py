@@ -36,6 +36,24 @@ def optimizer(k: int) -> optax.GradientTransformation:
 SMOOTH_OPTIMIZER = optax.chain(optax.add_decayed_weights(5e-4), optax.sgd(0.05, momentum=0.9))
 
 
+def summing(inner: optax.GradientTransformation, every: int) -> optax.GradientTransformation:
+    """ADL's accumulation written plainly: add up the gradients; at every `every`-th,
+    step `inner` with the sum and start again; make no update in between."""
+
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params), 0, inner.init(params)
+
+    def update(grads, state, params=None, **extra):
+        total, count, inner_state = state
+        total, count = jax.tree.map(jnp.add, total, grads), count + 1
+        if count < every:
+            return jax.tree.map(jnp.zeros_like, grads), (total, count, inner_state)
+        updates, inner_state = inner.update(total, inner_state, params)
+        return updates, (jax.tree.map(jnp.zeros_like, total), 0, inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
 def build_stages(model: str, num_stages: int):
     if model == "mlp":
         return models.mlp([6, 16, 16, 16, NUM_CLASSES], num_stages=num_stages, rngs=1)

@@ -20,6 +20,7 @@ from helpers import (
     params_of,
     reference,
     run_pipeline,
+    summing,
 )
 
 import dgrad
@@ -105,24 +106,6 @@ def test_dgl_export_drops_the_heads(tmp_path):
     path = export.save(model, tmp_path / "model")
     loaded = export.load(build_stages("mlp", 2), path)
     assert_equal(loaded(data[0][0]), model(data[0][0]))
-
-
-def summing(inner: optax.GradientTransformation, every: int) -> optax.GradientTransformation:
-    """ADL's accumulation written plainly: add up the gradients; at every `every`-th,
-    step `inner` with the sum and start again; make no update in between."""
-
-    def init(params):
-        return jax.tree.map(jnp.zeros_like, params), 0, inner.init(params)
-
-    def update(grads, state, params=None, **extra):
-        total, count, inner_state = state
-        total, count = jax.tree.map(jnp.add, total, grads), count + 1
-        if count < every:
-            return jax.tree.map(jnp.zeros_like, grads), (total, count, inner_state)
-        updates, inner_state = inner.update(total, inner_state, params)
-        return updates, (jax.tree.map(jnp.zeros_like, total), 0, inner_state)
-
-    return optax.GradientTransformation(init, update)
 
 
 @pytest.mark.parametrize(

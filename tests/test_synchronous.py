@@ -20,6 +20,7 @@ from helpers import (
     params_of,
     reference,
     run_pipeline,
+    summing,
 )
 from processes import rerun_with_cpu_devices
 
@@ -112,6 +113,48 @@ def test_zero_bubble_v_matches_gpipe_on_its_chunks(model, microbatches):
             raise AssertionError(f"{name}: {error}") from None
         with pytest.raises(AssertionError):
             assert_matches_reference(state, history, reference(model, 4, "2bw", **options))
+
+
+def accumulating(k: int):
+    """The test optimizer stepping once per two gradients, their sum written out."""
+    return summing(optimizer(k), 2)
+
+
+@pytest.mark.parametrize(
+    "method,virtual_stages",
+    [
+        ("gpipe", 1),
+        pytest.param("1f1b", 1, marks=SLOW),
+        ("zb", 1),
+        ("2bw", 1),
+        pytest.param("1f1b", 2, marks=SLOW),
+        ("zb", 2),
+    ],
+)
+def test_accumulate_sums_two_steps_and_updates_once(method, virtual_stages):
+    """accumulate=2 on the synchronous pipelines and 2BW: each stage (chunk) adds up two
+    steps' gradients and steps once, the reference's optimizer with the sum written out;
+    interleaved 1F1B and ZB-V against GPipe on their chunks; on one device and a device
+    per group, with a control that updates every step."""
+    chunks = 2 * virtual_stages
+    method_of_reference = "gpipe" if virtual_stages > 1 else method
+    options = dict(microbatches=2)
+    ref = reference("mlp", chunks, method_of_reference, optimizer=accumulating, **options)
+    for devices in (jax.devices()[:1], jax.devices()[:2]):
+        _, state, history = run_pipeline(
+            "mlp",
+            chunks,
+            method=method,
+            virtual_stages=virtual_stages,
+            accumulate=2,
+            devices=devices,
+            **options,
+        )
+        assert_matches_reference(state, history, ref)
+    with pytest.raises(AssertionError):
+        assert_matches_reference(
+            state, history, reference("mlp", chunks, method_of_reference, **options)
+        )
 
 
 @pytest.mark.parametrize(
