@@ -80,7 +80,9 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
   microbatches) at W^{t-1}, on every stage; a stage keeps two weight versions.
   There is no flush: stage k's forwards run min(K-1-k, M) microbatches ahead of
   its backwards across steps (`lag`), so it applies b_t's gradient in step t+1
-  (the last stage in step t) and carries b_t's partial gradient sum over.
+  (the last stage in step t) and carries b_t's partial gradient sum over. With
+  M < K-1 a stage cannot run the K-1-k ahead that fill its bubble (a third weight
+  version would be needed), so the steady state is bubble-free only once M >= K-1.
 - Weight staleness counts the updates between a batch's forward and the update
   that applies its gradient, which is what a single-device staleness
   simulation must use.
@@ -326,8 +328,8 @@ def check_virtual_stages(
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """The timetable of `method` on a pipeline of `num_stages` stages (with
-    `virtual_stages` V > 1, interleaved 1F1B: stage j is chunk j of the model, on device
-    group j mod K of K = num_stages / V).
+    `virtual_stages` V > 1, stage j is chunk j of the model, on device group
+    `device_of(j)` of K = num_stages / V: j mod K for interleaved 1F1B, in a V for ZB-V).
 
     >>> s = Schedule("ddg", num_stages=4)
     >>> [s.weight_staleness(k) for k in range(4)]

@@ -50,6 +50,17 @@ def test_zero_bubble_needs_less_than_1f1b_and_2bw_without_a_flush_none(K, M):
     assert simulate(Schedule("fdg", K)).idle == pytest.approx([0.0] * K)
 
 
+@pytest.mark.parametrize("K", [3, 4, 8])
+def test_2bw_has_no_bubble_only_once_m_reaches_k_minus_1(K):
+    """With two weight versions a stage runs at most M microbatches ahead of its own
+    backwards: below M = K-1 it waits, at K = 8, M = 4 longer than GPipe's bubble."""
+    for M in range(1, K + 1):
+        idle = max(simulate(Schedule("2bw", K, microbatches=M)).idle)
+        assert (idle == pytest.approx(0.0)) == (M >= K - 1), (M, idle)
+    gpipe = max(simulate(Schedule("gpipe", 8, microbatches=4)).idle)
+    assert max(simulate(Schedule("2bw", 8, microbatches=4)).idle) > gpipe
+
+
 def test_the_model_sees_an_order_that_waits():
     """A GPipe whose stages back-propagate last microbatch first wait for the last loss
     before their first backward: the model gives it more than the ideal bubble."""
