@@ -107,6 +107,16 @@ def test_a_workdir_holding_another_sweep_is_refused(tmp_path):
         Sweep(CONFIG, parse_grid("num_stages=2,8 seed=0"), tmp_path).claim()
 
 
+@pytest.mark.parametrize("held", ["[1]", '{"config": ', "", '"grid"'])
+def test_a_damaged_sweep_file_or_a_file_for_a_workdir_is_one_line(tmp_path, held):
+    (tmp_path / "sweep.json").write_text(held)
+    with pytest.raises(SweepError, match="sweep.json is damaged, so what this sweep trains"):
+        Sweep(CONFIG, parse_grid("seed=0"), tmp_path).claim()
+    assert (tmp_path / "sweep.json").read_text() == held
+    with pytest.raises(SweepError, match="is a file; give a directory"):
+        Sweep(CONFIG, parse_grid("seed=0"), tmp_path / "sweep.json").claim()
+
+
 @pytest.mark.slow
 def test_a_tiny_sweep_runs_resumes_and_tabulates(tmp_path):
     command = [

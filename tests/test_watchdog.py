@@ -121,6 +121,28 @@ def test_a_stuck_run_obeys_sigterm_within_its_grace(tmp_path):
     assert _checkpoint_steps(run_dir / "fdg_k2")[-1] == 6
 
 
+def test_a_start_stuck_before_its_first_step_takes_back_what_it_wrote(tmp_path):
+    """SIGTERM while the first step is stuck (compiling, say): the watchdog's exit leaves
+    no run directory that would hold the workdir to this config; the same command
+    starts again from nothing."""
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, *SHORT, "--config.stall_timeout=0", f"--workdir={run_dir}"]
+    process, lines, reader = _start_stuck(args, {TEST_STALL_ENV: "0:0"}, "Pipeline(")
+    time.sleep(1.0)  # now inside the blocked device call
+    process.send_signal(signal.SIGTERM)
+    try:
+        status = process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        kill_tree(process.pid)
+        raise AssertionError(f"SIGTERM did not stop it:\n{''.join(lines)[-4000:]}") from None
+    reader.join(timeout=5)
+    output = "".join(lines)
+    assert status == 128 + signal.SIGTERM, output[-4000:]
+    assert "before the first step in injected_stall" in output, output[-4000:]
+    assert "Nothing was trained yet: what this start wrote is taken back" in output
+    assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))
+
+
 @pytest.mark.slow
 def test_the_processes_of_a_killed_launcher_stop_while_stuck(tmp_path):
     """Both processes are stuck (process 1 blocked, process 0 waiting for it) when the

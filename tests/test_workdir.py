@@ -121,6 +121,16 @@ def test_a_workdir_of_another_experiment_is_refused_before_anything_is_written(t
     train(small_config(num_epochs=1, log_every_steps=4, placement="one_per_device"), tmp_path)
 
 
+@pytest.mark.parametrize("held", ['{"method": "fdg", ', "", "[1, 2]", '"fdg"', b"\xff\xfe"])
+def test_a_damaged_config_json_is_one_line_and_left_as_it_is(tmp_path, held):
+    path = tmp_path / workdir.CONFIG_FILE
+    path.write_bytes(held if isinstance(held, bytes) else held.encode())
+    with pytest.raises(SetupError, match=r"config.json is damaged \(.*\), so what this workdir"):
+        train(small_config(num_epochs=1), tmp_path, log=quiet)
+    assert sorted(os.listdir(tmp_path)) == [workdir.CONFIG_FILE]
+    assert path.read_bytes() == (held if isinstance(held, bytes) else held.encode())
+
+
 def test_a_workdir_trained_on_another_corpus_is_refused(tmp_path):
     """The offline corpus is this interpreter's standard library: the same config read on
     another Python is another corpus, which `config.json` records and a resume checks."""

@@ -172,6 +172,10 @@ def train(
             log(_extension_note(config, plan.saved, steps_per_epoch))
         plan = _claim(plan, config, dataset, extend, context)
         results = {}
+        labels = [r.label for r in runs]
+        taking_back = (
+            (lambda: workdir.take_back(plan, labels)) if jax.process_index() == 0 else None
+        )
         try:
             for run, pipe, state in zip(runs, pipes, initial):
                 log(f"\n{run.title}: {pipe}")
@@ -186,6 +190,7 @@ def train(
                     progress_stream=progress_stream,
                     stop=stop,
                     extends_from=plan.extends_from,
+                    take_back=taking_back,
                 )
                 try:
                     results[run.title] = loop.train_run(config, ctx)
@@ -196,8 +201,8 @@ def train(
             if stop.requested is not None:
                 raise Stopped(stop.requested, "Stopped after the last run had finished and saved.")
         except BaseException:
-            if jax.process_index() == 0:
-                workdir.take_back(plan, [r.label for r in runs])
+            if taking_back:
+                taking_back()
             raise
     return results
 

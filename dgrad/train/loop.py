@@ -153,6 +153,7 @@ class RunContext:
     progress_stream: Any
     stop: StopRequests
     extends_from: int | None = None
+    take_back: Callable[[], bool] | None = None  # on a hard exit (`Watchdog`'s take_back)
 
     @property
     def writes(self) -> bool:
@@ -570,7 +571,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
     checkpoints = Checkpointer(
         os.path.join(ctx.run_dir, "checkpoints"), keep=config.keep_checkpoints
     )
-    with checkpoints, Watchdog(config.stall_timeout) as watchdog:
+    with checkpoints, Watchdog(config.stall_timeout, take_back=ctx.take_back) as watchdog:
         watchdog.watch_writes(checkpoints.writing)
         state, tally = _resume(ctx, config, checkpoints, total)
 

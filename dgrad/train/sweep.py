@@ -233,9 +233,19 @@ class Sweep:
         >>> workdir.cleanup()
         """
         path = os.path.join(self.workdir, SWEEP_FILE)
+        if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
+            raise SweepError(f"--workdir {self.workdir} is a file; give a directory.")
         if os.path.exists(path):
-            with open(path) as f:
-                held = json.load(f)
+            try:
+                with open(path) as f:
+                    held = json.load(f)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+                held = error
+            if not (isinstance(held, dict) and {"config", "grid"} <= set(held)):
+                raise SweepError(
+                    f"{path} is damaged, so what this sweep trains is unknown; restore it "
+                    "from a copy, or use a new --workdir."
+                )
             if held != self.identity():
                 raise SweepError(
                     f"{self.workdir} holds another sweep ({held['config']}, grid "

@@ -59,6 +59,8 @@ class Watchdog:
       grace_s: how long a signalled process may go without a beat before it exits.
       write_wait_s: how long an exit waits for a checkpoint being written (`watch_writes`).
       out: where the one line goes (default stderr).
+      take_back: called before an exit; True when it removed what a start that had
+        trained nothing wrote (`dgrad.train.workdir.take_back`), which the line then says.
 
     >>> import io
     >>> out = io.StringIO()
@@ -75,8 +77,10 @@ class Watchdog:
         *,
         write_wait_s: float = WRITE_WAIT_S,
         out=None,
+        take_back: Callable[[], bool] | None = None,
     ):
         self.stall_timeout = float(stall_timeout)
+        self.take_back = take_back
         self.grace_s = grace_s
         self.write_wait_s = write_wait_s
         self.out = out
@@ -259,10 +263,21 @@ class Watchdog:
         try:  # a dead starter leaves no one to read it: the exit must not depend on it
             waited = self._wait_for_write() if wait else 0.0
             written = f" (after {waited:.1f} s waiting for its write)" if waited >= 0.05 else ""
-            out.write(
-                f"\n[{name}] {why}. The newest complete checkpoint is kept{written}; the same "
-                "command resumes from it.\n"
-            )
+            try:
+                taken = bool(self.take_back and self.take_back())
+            except Exception:  # what was written stays; the exit must not depend on it
+                taken = False
+            if taken:
+                kept = (
+                    "Nothing was trained yet: what this start wrote is taken back, and the "
+                    "same command starts again"
+                )
+            else:
+                kept = (
+                    f"The newest complete checkpoint is kept{written}; the same command "
+                    "resumes from it"
+                )
+            out.write(f"\n[{name}] {why}. {kept}.\n")
             out.flush()
         finally:
             os._exit(status)

@@ -114,8 +114,7 @@ def inspect(
             f"{path} holds files but no {CONFIG_FILE}, so it is not a dgrad workdir; "
             "choose a new --workdir."
         )
-    with open(config_path) as f:
-        saved = json.load(f)
+    saved = _saved_config(config_path)
     corpus = saved.pop(CORPUS_KEY, None)
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
     changed = fields.differences(saved, config, extending=extend)
@@ -136,6 +135,32 @@ def inspect(
         )
     # (under --extend, as many epochs as saved: an extension that was stopped resumes)
     return Plan(path, True, saved, longer if extend else None, corpus)
+
+
+def _saved_config(config_path: str) -> dict[str, Any]:
+    """The config a workdir's `config.json` holds; a `WorkdirError` if it holds none.
+
+    >>> import os, tempfile
+    >>> path = os.path.join(tempfile.mkdtemp(), CONFIG_FILE)
+    >>> with open(path, "w") as f:
+    ...     _ = f.write('{"method": "fdg", ')  # cut short
+    >>> _saved_config(path)
+    Traceback (most recent call last):
+    ...
+    dgrad.train.workdir.WorkdirError: .../config.json is damaged (Expecting property name ...
+    """
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        saved = error
+    if not isinstance(saved, dict):
+        what = str(saved) if isinstance(saved, Exception) else f"it holds a {type(saved).__name__}"
+        raise WorkdirError(
+            f"{config_path} is damaged ({what}), so what this workdir trains is unknown; "
+            "restore it from a copy, or use a new --workdir."
+        )
+    return saved
 
 
 def _recorded_corpus(path: str) -> dict[str, Any] | None:
@@ -255,8 +280,9 @@ def create(
     os.replace(temporary, os.path.join(plan.path, CONFIG_FILE))
 
 
-def take_back(plan: Plan, run_labels) -> None:
-    """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint).
+def take_back(plan: Plan, run_labels) -> bool:
+    """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint);
+    whether it did.
 
     >>> import os, tempfile
     >>> from dgrad.train import config as fields
@@ -265,25 +291,25 @@ def take_back(plan: Plan, run_labels) -> None:
     ...     plan = inspect(path, fields.base())
     ...     create(plan, fields.base())
     ...     os.makedirs(os.path.join(path, "fdg_k2"))  # a run that failed before saving
-    ...     take_back(plan, ["fdg_k2"])
-    ...     print(os.path.exists(path))  # the directory this start made is gone
-    False
+    ...     take_back(plan, ["fdg_k2"]), os.path.exists(path)  # the directory it made is gone
+    (True, False)
     """
     if plan.resumes:
-        return
+        return False
     for label in run_labels:
         checkpoints = os.path.join(plan.path, label, "checkpoints")
         if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
-            return
+            return False
     if not plan.existed:
         shutil.rmtree(plan.path, ignore_errors=True)
-        return
+        return True
     for name in [CONFIG_FILE, *run_labels]:  # (the lock stays: another may be waiting on it)
         target = os.path.join(plan.path, name)
         if os.path.isdir(target):
             shutil.rmtree(target, ignore_errors=True)
         elif os.path.exists(target):
             os.remove(target)
+    return True
 
 
 def total_steps(meta: dict[str, Any]) -> int:
