@@ -315,10 +315,12 @@ class Pipeline:
         """
         inputs, labels = _split_batch(example_batch)
         rows, count = np.shape(inputs)[0], len(self.schedule.units(0))
-        if rows % count:
+        replicas = self.placement.data_parallel
+        if rows % count or (count > 1 and rows // count % replicas):
+            split = f" each split between data_parallel={replicas} replicas" if replicas > 1 else ""
             raise ValueError(
-                f"A batch of {rows} cannot be cut into microbatches={count} equal parts; "
-                f"use a batch size that is a multiple of {count}."
+                f"A batch of {rows} cannot be cut into microbatches={count} equal parts{split}; "
+                f"use a batch size that is a multiple of {count * replicas}."
             )
         self.placement.check_batch_size(rows // count)
         self._batch_shapes = (shape_dtype(inputs), shape_dtype(labels))

@@ -429,3 +429,13 @@ def test_a_batch_that_does_not_cut_into_microbatches_is_refused():
     pipe = build_pipeline("mlp", 2, method="gpipe", microbatches=3)
     with pytest.raises(ValueError, match="cannot be cut into microbatches=3"):
         pipe.init(batches("mlp", 1)[0])
+    # 8 rows: 8 microbatches of 1, which 2 replicas cannot share; the fix names M x D
+    pipe = build_pipeline(
+        "mlp", 2, method="gpipe", microbatches=8, devices=jax.devices()[:4], data_parallel=2
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"microbatches=8 equal parts each split between "
+        r"data_parallel=2 replicas; use a batch size that is a multiple of 16",
+    ):
+        pipe.init(batches("mlp", 1)[0])
