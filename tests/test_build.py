@@ -66,3 +66,14 @@ def test_synthetic_examples_sets_how_many_batches_an_epoch_can_have():
     dataset = build.load_dataset(config)
     assert len(dataset.train) == 6400
     assert build.steps_per_epoch(config, dataset) == 100
+
+
+def test_a_baseline_that_cannot_be_placed_says_how_to_leave_it_out():
+    config = small_config(baseline="bp", data_parallel=4)
+    method, baseline = fields.runs_of(config)
+    dataset = build.load_dataset(config)
+    with pytest.raises(ValueError, match=r"needs 4 devices, got 2\..* add --config.baseline= "):
+        build.build_pipeline(config, baseline, dataset, 8, jax.devices()[:2])
+    with pytest.raises(ValueError, match="need 8 devices, got 2") as refused:
+        build.build_pipeline(config, method, dataset, 8, jax.devices()[:2])
+    assert "baseline" not in str(refused.value)

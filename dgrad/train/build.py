@@ -257,7 +257,22 @@ def build_pipeline(
         stages = models.with_aux_heads(stages, dataset.num_classes, example, rngs=config.seed)
     baseline = run.fused
     accumulate = 1 if baseline else config.accumulate
-    pipe = Pipeline(
+    try:
+        pipe = _pipeline(config, run, stages, steps_per_epoch, accumulate, devices)
+    except ValueError as error:
+        if not baseline:
+            raise
+        raise ValueError(
+            f"{error} For the fused-BP baseline (config.baseline=bp: one device group, "
+            f"data_parallel={config.data_parallel}), add --config.baseline= to leave it out."
+        ) from None
+    pipe.placement.check_batch_size(config.batch_size)
+    return pipe
+
+
+def _pipeline(config, run: Run, stages, steps_per_epoch: int, accumulate: int, devices):
+    baseline = run.fused
+    return Pipeline(
         stages,
         method=run.method,
         optimizer=build_optimizer(
@@ -277,5 +292,3 @@ def build_pipeline(
         devices=devices,
         placement="spread" if run.fused else config.placement,
     )
-    pipe.placement.check_batch_size(config.batch_size)
-    return pipe
