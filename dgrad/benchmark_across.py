@@ -271,9 +271,11 @@ def compare(
     processes, so its example is a test (tests/test_benchmark.py).
     """
     out = out or sys.stdout
-    method, k = spec["method"], num_stages
+    k = num_stages
+    microbatches = spec.get("options", {}).get("microbatches", 1)
+    method = spec["method"] + (f" M={microbatches}" if microbatches > 1 else "")
     cores = list(range(os.cpu_count() or 1))
-    fused = {**spec, "method": "bp", "fused": True, "stages": 1, "cuts": []}
+    fused = {**spec, "method": "bp", "fused": True, "stages": 1, "cuts": [], "options": {}}
     groups = []
     try:
         for name, case, processes, devices, pins in [

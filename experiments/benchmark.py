@@ -79,6 +79,31 @@ def chunked_rows(method: str, k: int, m: int, virtual_stages) -> list[int]:
     return [2] if method == "zb" and 2 in virtual_stages else []
 
 
+def unchunked_rows(method: str, k: int, m: int, virtual_stages, blocks: int) -> list[str]:
+    """Why the chunked rows `--virtual-stages` asks for beside `method`'s row at K = `k`,
+    M = `m` are not timed, a line each (the model has `blocks` blocks to cut into chunks).
+
+    >>> unchunked_rows("1f1b", 2, 3, [2], 11)
+    ['# no 1f1b V=2 M=3 row at K=2: interleaved 1F1B needs M a multiple of K']
+    >>> for line in unchunked_rows("zb", 4, 4, [2, 3], 6):
+    ...     print(line)
+    # no zb V=2 M=4 row at K=4: 8 chunks, the model has 6 blocks
+    # no zb V=3 M=4 row at K=4: ZB-V takes V = 2
+    """
+    if k < 2 or method not in ("1f1b", "zb"):
+        return []
+    why = []
+    for v in virtual_stages:
+        row = f"# no {method} V={v} M={m} row at K={k}: "
+        if method == "zb" and v != 2:
+            why.append(row + "ZB-V takes V = 2")
+        elif method == "1f1b" and m % k:
+            why.append(row + "interleaved 1F1B needs M a multiple of K")
+        elif k * v > blocks:
+            why.append(row + f"{k * v} chunks, the model has {blocks} blocks")
+    return why
+
+
 def parse_args(argv=None):
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="resnet20")
@@ -112,7 +137,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--virtual-stages",
-        default="2",
+        default=None,
         help="V values for interleaved 1f1b rows, and 2 for ZB-V rows of zb (default 2)",
     )
     parser.add_argument(
@@ -172,8 +197,15 @@ def parse_args(argv=None):
     args.stages = numbers(args.stages, "stages") if args.stages else None
     args.data_parallel = numbers(args.data_parallel, "data-parallel")
     args.microbatches = numbers(args.microbatches, "microbatches")
-    args.virtual_stages = [v for v in numbers(args.virtual_stages, "virtual-stages") if v > 1]
+    if args.virtual_stages is not None and (args.processes or args.against_command):
+        which = "--processes" if args.processes else "--against-command"
+        parser.error(f"{which} times V = 1 rows only; leave --virtual-stages out")
+    args.virtual_stages = [
+        v for v in numbers(args.virtual_stages or "2", "virtual-stages") if v > 1
+    ]
     args.methods = [m for m in args.methods.split(",") if m]
+    if not args.methods:
+        parser.error(f"--methods is empty; name one or more of {', '.join(METHODS)}")
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(METHODS)}")
@@ -331,14 +363,29 @@ def across(args):
     cuts = cuts_for(args, chain, costs, k)
     ceiling = balance.speedup_ceiling(costs, cuts)
     method = "fdg" if "fdg" in args.methods else args.methods[0]
+    options = {}
+    if method in MICROBATCHED:
+        if len(args.microbatches) > 1:
+            print(
+                f"error: --processes times one configuration; give {method} one --microbatches "
+                f"value, not {','.join(map(str, args.microbatches))}",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
+        options = {"microbatches": args.microbatches[0]}
     spec = {
         **spec_of(args),
         "method": method,
         "fused": False,
         "stages": k,
         "cuts": list(cuts),
+        "options": options,
     }
-    print(f"# {args.model}, batch {args.batch_size}: {method} K={k}, cuts {list(cuts)}")
+    others = [m for m in args.methods if m != method]
+    if others:
+        print(f"# --processes times one method: {method} (not {', '.join(others)})")
+    label = method + "".join(f" M={m}" for m in options.values())
+    print(f"# {args.model}, batch {args.batch_size}: {label} K={k}, cuts {list(cuts)}")
     print(f"# predicted ceiling (sum of stage costs / slowest stage): {ceiling:.2f}x")
     rates = benchmark_across.compare(spec, k, windows=args.windows, steps=args.steps)
     moves = rates.pop("moves ms/step")
@@ -523,6 +570,10 @@ def main(argv=None):
                 if method in MICROBATCHED:
                     for m in args.microbatches:
                         add(f"{method} M={m}", k, method=method, microbatches=m, data_parallel=d)
+                        if d == args.data_parallel[0]:
+                            blocks = len(chain.modules)
+                            for line in unchunked_rows(method, k, m, args.virtual_stages, blocks):
+                                print(line)
                         for v in chunked_rows(method, k, m, args.virtual_stages):
                             if k * v <= len(chain.modules):
                                 add(

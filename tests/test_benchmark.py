@@ -141,6 +141,9 @@ def test_the_quick_mode_sets_defaults_that_given_flags_change():
         (["--against-command", "--stages=1,2"], "needs one K of 2 or more"),
         (["--against-command", "--stages=2", "--command-epochs=1"], "at least 2"),
         (["--against-command", "--stages=2", "--split=profiled"], "cuts as the training command"),
+        (["--methods="], "--methods is empty; name one or more of ddg, fdg"),
+        (["--against-command", "--stages=2", "--virtual-stages=2"], "times V = 1 rows only"),
+        (["--processes=2", "--virtual-stages=3"], "--processes times V = 1 rows only"),
     ],
 )
 def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
@@ -149,6 +152,16 @@ def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
         parse_args(flags)
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_processes_time_one_microbatch_count(capsys):
+    from experiments.benchmark import main
+
+    flags = ["--processes=2", "--methods=gpipe", "--model=mlp", "--split=balanced"]
+    with pytest.raises(SystemExit) as exited:
+        main(flags)  # --microbatches defaults to 4,8
+    assert exited.value.code == 2
+    assert "give gpipe one --microbatches value, not 4,8" in capsys.readouterr().err
 
 
 def test_a_split_the_model_lacks_is_one_line():
@@ -235,7 +248,10 @@ def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_benchmark_across_processes_prints_every_case_and_the_moves():
+@pytest.mark.parametrize(
+    "flags, label", [([], "fdg"), (["--methods=gpipe", "--microbatches=2"], "gpipe M=2")]
+)
+def test_the_benchmark_across_processes_prints_every_case_and_the_moves(flags, label):
     status, output = run_command(
         [
             sys.executable,
@@ -248,6 +264,7 @@ def test_the_benchmark_across_processes_prints_every_case_and_the_moves():
             "--windows=2",
             "--steps=2",
             "--split=balanced",
+            *flags,
         ],
         timeout=600,
         cwd=ROOT,
@@ -256,7 +273,11 @@ def test_the_benchmark_across_processes_prints_every_case_and_the_moves():
         line for line in output.splitlines() if line.startswith("| ") and "samples/s" not in line
     ]
     names = [row.split("|")[1].strip() for row in rows]
-    assert names == ["bp fused, pinned", "fdg K=2, one process", "fdg K=2, 2 processes pinned"]
+    assert names == [
+        "bp fused, pinned",
+        f"{label} K=2, one process",
+        f"{label} K=2, 2 processes pinned",
+    ], output
     assert rows[0].split("|")[3].strip() == "1.00 [1.00-1.00]"
     assert re.search(r"# moves between the processes: \d+\.\d\d ms/step", output), output
     assert "# predicted ceiling (sum of stage costs / slowest stage): " in output
