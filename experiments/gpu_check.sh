@@ -14,19 +14,33 @@
 #   PipeDream-2BW), with the host's microseconds per dispatched call against the bare loop's;
 #   `--model gpt --batch-size 32` for the GPT's table. With fewer than 2 GPUs the stages share one.
 #
-#   bash experiments/gpu_check.sh                   # all three; uses .venv/bin/python, or $PYTHON
+#   bash experiments/gpu_check.sh                   # all three; $PYTHON, else .venv/bin/python, else python
 #   bash experiments/gpu_check.sh scale --stages 1,2,4,8   # flags after the part go to the benchmark
 #   bash experiments/gpu_check.sh sync --model gpt --batch-size 32
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python=${PYTHON:-.venv/bin/python}
+if [ -n "${PYTHON:-}" ]; then python=$PYTHON
+elif [ -x .venv/bin/python ]; then python=.venv/bin/python
+else python=$(command -v python || command -v python3 || true)
+fi
+if [ -z "$python" ]; then
+  echo "error: no python found; set PYTHON=/path/to/python (with dgrad installed)" >&2
+  exit 2
+fi
 case "${1:-all}" in
   scale | gpt | sync | all) part=${1:-all}; shift $(( $# > 0 )) ;;
   -*) part=all ;;
   *) echo "error: unknown part '$1'; use scale, gpt, sync or all (then benchmark flags)" >&2
      exit 2 ;;
 esac
-gpus=$("$python" -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))")
+probe="import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))"
+if ! gpus=$("$python" -c "$probe" 2>/tmp/gpu_check.$$); then
+  echo "error: $python could not list JAX's devices ($(tail -n 1 /tmp/gpu_check.$$)); install" \
+    "dgrad there, or set PYTHON=/path/to/python" >&2
+  rm -f /tmp/gpu_check.$$
+  exit 2
+fi
+rm -f /tmp/gpu_check.$$
 if [ "$gpus" -eq 0 ]; then
   echo "error: no GPU found by JAX; install the cuda12 extra: pip install -e '.[cuda12]'" >&2
   exit 2

@@ -213,6 +213,25 @@ def test_the_gpu_check_refuses_in_one_line(args, message):
     assert (status, output.strip()) == (2, message), output
 
 
+def test_the_gpu_check_names_a_python_without_jax(tmp_path):
+    without_jax = tmp_path / "python"
+    without_jax.write_text(
+        "#!/bin/sh\necho \"ModuleNotFoundError: No module named 'jax'\" >&2\nexit 1\n"
+    )
+    without_jax.chmod(0o755)
+    status, output = run_command(
+        ["bash", str(ROOT / "experiments" / "gpu_check.sh"), "sync"],
+        timeout=120,
+        env={"PYTHON": str(without_jax)},
+        check=False,
+    )
+    assert status == 2, output
+    assert output.strip() == (
+        f"error: {without_jax} could not list JAX's devices (ModuleNotFoundError: No module "
+        "named 'jax'); install dgrad there, or set PYTHON=/path/to/python"
+    )
+
+
 @pytest.mark.slow
 def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     """Numbers are not asserted here; the script must run and print its whole table."""
