@@ -34,15 +34,17 @@ def test_looking_at_a_workdir_imports_no_model_library():
     assert output.strip().splitlines()[-1] == "[]", output
 
 
-def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path):
-    from dgrad.train import workdir
+def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path, monkeypatch):
+    from dgrad.train import experiment, workdir
 
     train(small_config(num_epochs=1), tmp_path / "run", log=quiet)
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
-    for path in (tmp_path / "run", tmp_path / "new"):
-        with workdir.hold(path):  # as a command training there does
-            with pytest.raises(SetupError, match="another command is training in"):
-                train(small_config(num_epochs=2), path, extend=path.name == "run", log=quiet)
+    with monkeypatch.context() as patched:  # refused before it builds (and compiles) anything
+        patched.setattr(experiment, "_build_runs", lambda *a, **k: pytest.fail("built"))
+        for path in (tmp_path / "run", tmp_path / "new"):
+            with workdir.hold(path):  # as a command training there does
+                with pytest.raises(SetupError, match="another command is training in"):
+                    train(small_config(num_epochs=2), path, extend=path.name == "run", log=quiet)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
     assert os.listdir(tmp_path / "new") == [".lock"]
     train(small_config(num_epochs=1), tmp_path / "new", log=quiet)  # the lock is gone

@@ -152,6 +152,12 @@ def train(
 
     from dgrad.train import build, loop  # the model's libraries: not needed to see it finished
 
+    if jax.process_count() == 1:  # (several processes hear process 0's refusal in `_claim`)
+        try:
+            workdir.check_not_held(plan.path)
+        except ValueError as error:
+            raise SetupError(str(error)) from error
+
     with contextlib.ExitStack() as context:
         stop = stop or context.enter_context(StopRequests())
         dataset = build.load_dataset(config)

@@ -250,6 +250,32 @@ def hold(path: str | os.PathLike):
         yield  # (closing the file releases the lock)
 
 
+def check_not_held(path: str | os.PathLike) -> None:
+    """Raises `WorkdirError` at once if another command holds `path`'s lock, so that a
+    second command is refused before it builds anything (`hold` claims it later).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as path:
+    ...     check_not_held(path)  # no lock file: free
+    ...     with hold(path):
+    ...         check_not_held(path)
+    Traceback (most recent call last):
+    ...
+    dgrad.train.workdir.WorkdirError: another command is training in /...; ...
+    """
+    path = os.path.abspath(os.fspath(path))
+    try:
+        lock = open(os.path.join(path, LOCK_FILE))
+    except OSError:  # none yet (or unreadable: `hold` says so)
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            if error.errno in (errno.EAGAIN, errno.EACCES):
+                raise _held_by_another(path) from None
+
+
 def _held_by_another(path: str) -> WorkdirError:
     return WorkdirError(
         f"another command is training in {path} (it holds {LOCK_FILE}); wait for it to end, "
