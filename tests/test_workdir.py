@@ -192,6 +192,23 @@ def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
         train(small_config(num_epochs=1), tmp_path / "short", extend=True, log=quiet)
 
 
+def test_an_unfinished_run_is_finished_before_it_is_extended(tmp_path, monkeypatch):
+    """--extend lays the schedule out anew from where the run ended: of a run stopped at
+    step 5 of 8 that would change steps 5-8 as well, so it is refused, untouched."""
+    undo = stop_at_call(monkeypatch, 5)
+    with pytest.raises(Stopped):
+        train(small_config(num_epochs=1), tmp_path, log=quiet)
+    undo()
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with pytest.raises(SetupError, match="has not finished its 1 epochs; finish it first"):
+        train(small_config(num_epochs=2), tmp_path, extend=True, log=quiet)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+    train(small_config(num_epochs=1), tmp_path, log=quiet)  # finished, then extended
+    train(small_config(num_epochs=2), tmp_path, extend=True, log=quiet)
+    epochs = metrics.read(tmp_path / "fdg_k2" / "metrics.jsonl", "epoch")
+    assert [r["epoch"] for r in epochs] == [1, 2]
+
+
 def test_an_extension_that_was_stopped_resumes(tmp_path):
     train(small_config(num_epochs=1), tmp_path, log=quiet)
     stop = StopRequests()

@@ -148,6 +148,12 @@ def train(
         if finished is not None:
             log(f"{plan.path} finished earlier: nothing left to train.")
             return finished
+    elif plan.extends_from is not None and workdir.final_records(plan, runs) is None:
+        raise SetupError(
+            f"--extend trains a finished experiment for more epochs, but {plan.path} has not "
+            f"finished its {plan.extends_from} epochs; finish it first (its own command, without "
+            "--extend), then extend it."
+        )
     import jax
 
     from dgrad.train import build, loop  # the model's libraries: not needed to see it finished
