@@ -98,11 +98,10 @@ def _start_stuck(args, env, wanted: str, timeout: float = 180):
     return process, lines, reader
 
 
-@pytest.mark.slow
-def test_a_stuck_run_obeys_sigterm_within_its_grace(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*TRAIN, *SHORT, "--config.stall_timeout=0", f"--workdir={run_dir}"]
-    process, lines, reader = _start_stuck(args, {TEST_STALL_ENV: "0:6"}, "step 6/")
+def _sigterm_when_stuck(args, stall: str, wanted: str):
+    """Starts `args` stalled at `stall` ("PROCESS:STEP"), sends SIGTERM a second after it
+    prints `wanted`; returns its status, its output and the seconds it took to stop."""
+    process, lines, reader = _start_stuck(args, {TEST_STALL_ENV: stall}, wanted)
     time.sleep(1.0)  # now inside the blocked device call
     sent = time.monotonic()
     process.send_signal(signal.SIGTERM)
@@ -113,7 +112,14 @@ def test_a_stuck_run_obeys_sigterm_within_its_grace(tmp_path):
         raise AssertionError(f"SIGTERM did not stop it:\n{''.join(lines)[-4000:]}") from None
     took = time.monotonic() - sent
     reader.join(timeout=5)
-    output = "".join(lines)
+    return status, "".join(lines), took
+
+
+@pytest.mark.slow
+def test_a_stuck_run_obeys_sigterm_within_its_grace(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TRAIN, *SHORT, "--config.stall_timeout=0", f"--workdir={run_dir}"]
+    status, output, took = _sigterm_when_stuck(args, "0:6", "step 6/")
     assert status == 128 + signal.SIGTERM, output[-4000:]
     assert took < 5.0 + 3.0, took
     assert output.count("SIGTERM not honoured within 5 s") == 1, output[-4000:]
@@ -127,16 +133,7 @@ def test_a_start_stuck_before_its_first_step_takes_back_what_it_wrote(tmp_path):
     starts again from nothing."""
     run_dir = tmp_path / "run"
     args = [*TRAIN, *SHORT, "--config.stall_timeout=0", f"--workdir={run_dir}"]
-    process, lines, reader = _start_stuck(args, {TEST_STALL_ENV: "0:0"}, "Pipeline(")
-    time.sleep(1.0)  # now inside the blocked device call
-    process.send_signal(signal.SIGTERM)
-    try:
-        status = process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        kill_tree(process.pid)
-        raise AssertionError(f"SIGTERM did not stop it:\n{''.join(lines)[-4000:]}") from None
-    reader.join(timeout=5)
-    output = "".join(lines)
+    status, output, _ = _sigterm_when_stuck(args, "0:0", "Pipeline(")
     assert status == 128 + signal.SIGTERM, output[-4000:]
     assert "before the first step in injected_stall" in output, output[-4000:]
     assert "Nothing was trained yet: what this start wrote is taken back" in output
