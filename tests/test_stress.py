@@ -11,9 +11,6 @@ from processes import run_command
 from dgrad.stress import LAYOUTS
 
 STRESS = [sys.executable, "-m", "experiments.stress"]
-# Stage groups spanning 2 of 4 processes: after the fix of `share`, 26 of 27 runs finished; one,
-# under heavy load, ran past its deadline in orbax's barrier (README's stress table). Open work.
-BROKEN = {"4x1 K=2xD=2"}
 
 
 def _finishes_one_run(layout, deadline, *flags):
@@ -40,18 +37,7 @@ def _finishes_one_run(layout, deadline, *flags):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "layout",
-    [
-        pytest.param(
-            layout.name,
-            marks=[pytest.mark.xfail(reason="2-of-4-process groups: 1 of 27 runs froze")]
-            if layout.name in BROKEN
-            else [],
-        )
-        for layout in LAYOUTS
-    ],
-)
+@pytest.mark.parametrize("layout", [layout.name for layout in LAYOUTS])
 def test_a_multi_process_layout_finishes_under_stress(layout):
     _finishes_one_run(layout, 150)
 
