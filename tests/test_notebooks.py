@@ -13,7 +13,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SMALL = {  # what the tests set after each notebook's parameters cell
     "quickstart.ipynb": "EPOCHS = 1",
     "optax.ipynb": "EPOCHS = 2",
-    "speed.ipynb": "STEPS = 3",
+    "speed.ipynb": "STEPS = 3\nBATCH = 16\nIMAGE = 16",
     "staleness.ipynb": "EPOCHS = 1\nSEEDS = (0,)\nSTAGES = (2,)\nPROBE_STAGES = 2",
     "language_model.ipynb": 'VARIANT = "smoke"\nPROBE_EVERY = 4\nSAMPLE_LENGTH = 40',
 }
