@@ -3,8 +3,8 @@
 Both must be configured before JAX runs anything, hence at import time here.
 `pytest -m "not slow" -n 2` is the fast subset (every module, on two cores), and it asks
 XLA for its quickest compiles (no backend optimisation: the numbers may differ in the last
-bits, and a compile takes about three quarters of the time); the CI runs everything, one
-test at a time, compiled as users' runs are.
+bits, and a compile takes about three quarters of the time); the CI runs everything, also on
+two cores, compiled as users' runs are.
 """
 
 import os
