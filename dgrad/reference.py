@@ -14,8 +14,8 @@ definition: batch by batch, each stage takes a step on its own auxiliary loss
 and hands its output on. GPipe, 1F1B (interleaved or not), zero-bubble and
 PipeDream-2BW are backprop over the microbatches of each batch, at the current
 weights or (2BW) at the weights of one version before; PipeDream is DDG with
-stashed weights. Eager and slow, on
-purpose.
+stashed weights. Each gradient is one whole `jax.value_and_grad` of the textbook loss,
+jitted only to keep the tests fast; the order of the steps is plain Python.
 
 >>> import jax.numpy as jnp, optax
 >>> from dgrad import models
@@ -261,14 +261,19 @@ class _Modules:
             self.txs.append(tx)
         self.loss_fn = loss_fn
         self.history = [[w] for w in self.W]
+        self.apply = jax.jit(self._apply, static_argnums=0)
 
     def model(self, k, params, rest):
         return nnx.merge(self.graphs[k], params, rest, copy=True)
 
-    def forward(self, k, x):
-        model = self.model(k, self.W[k], self.R[k])
+    def _apply(self, k, params, rest, x):
+        """Stage k's output of `x` and its state after the forward."""
+        model = self.model(k, params, rest)
         y = model(x)
-        self.R[k] = nnx.split(model, nnx.Param, ...)[2]
+        return y, nnx.split(model, nnx.Param, ...)[2]
+
+    def forward(self, k, x):
+        y, self.R[k] = self.apply(k, self.W[k], self.R[k], x)
         return y
 
     def update(self, k, grads):
@@ -291,19 +296,23 @@ def _features_replay(stages, batches, optimizer, loss_fn) -> ReferenceRun:
     kept = [dict() for _ in range(K)]  # module -> {batch: the input it forwarded}
     received = [None] * K  # module -> (batch, error gradient from module k+1)
     losses, applied = [], [[] for _ in range(K)]
+
+    def loss(params, rest, h, labels):
+        y, rest = m._apply(K - 1, params, rest, h)
+        return m.loss_fn(y, labels)[0], rest
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def replay_backward(k, params, rest, inputs, gradient):
+        _, vjp = jax.vjp(lambda p, h: m._apply(k, p, rest, h)[0], params, inputs)
+        return vjp(gradient)
+
+    last_gradient = jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
     for t, (x, labels) in enumerate(batches):
         h = x
         for k in range(K - 1):
             kept[k][t] = h
             h = m.forward(k, h)
-
-        def loss(params, h, labels=labels):
-            model = m.model(K - 1, params, m.R[K - 1])
-            return m.loss_fn(model(h), labels)[0], nnx.split(model, nnx.Param, ...)[2]
-
-        (value, m.R[K - 1]), (last_grads, error) = jax.value_and_grad(
-            loss, argnums=(0, 1), has_aux=True
-        )(m.W[K - 1], h)
+        (value, m.R[K - 1]), (last_grads, error) = last_gradient(m.W[K - 1], m.R[K - 1], h, labels)
         losses.append(value)
         grads, sent = {K - 1: last_grads}, [None] * K
         if K > 1:
@@ -312,9 +321,7 @@ def _features_replay(stages, batches, optimizer, loss_fn) -> ReferenceRun:
             if received[k] is None:
                 continue
             b, gradient = received[k]
-            replay = lambda p, inputs, k=k: m.model(k, p, m.R[k])(inputs)  # noqa: E731
-            _, vjp = jax.vjp(replay, m.W[k], kept[k].pop(b))
-            grads[k], input_gradient = vjp(gradient)
+            grads[k], input_gradient = replay_backward(k, m.W[k], m.R[k], kept[k].pop(b), gradient)
             if k > 0:
                 sent[k - 1] = (b, input_gradient)
         for k in range(K):
@@ -336,22 +343,26 @@ def _greedy(stages, batches, optimizer, loss_fn) -> ReferenceRun:
     snapshots = [[None] * (T + 1) for _ in range(K)]
     for k in range(K):
         snapshots[k][: k + 1] = [m.W[k]] * (k + 1)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def local_gradient(k, params, rest, h, labels):
+        def loss(params):
+            model = m.model(k, params, rest)
+            if k == K - 1:
+                y = logits = model(h)
+            else:
+                y, logits = model.auxiliary(h)
+            value = m.loss_fn(logits, labels)[0]
+            return value, (y, nnx.split(model, nnx.Param, ...)[2])
+
+        return jax.value_and_grad(loss, has_aux=True)(params)
+
     for b, (x, labels) in enumerate(batches):
         h = x
         for k in range(K):
             if b + k >= T:
                 break
-
-            def loss(params, h=h, k=k, labels=labels):
-                model = m.model(k, params, m.R[k])
-                if k == K - 1:
-                    y = logits = model(h)
-                else:
-                    y, logits = model.auxiliary(h)
-                value = m.loss_fn(logits, labels)[0]
-                return value, (y, nnx.split(model, nnx.Param, ...)[2])
-
-            (value, (h, m.R[k])), grads = jax.value_and_grad(loss, has_aux=True)(m.W[k])
+            (value, (h, m.R[k])), grads = local_gradient(k, m.W[k], m.R[k], h, labels)
             m.update(k, grads)
             snapshots[k][b + k + 1] = m.W[k]
             if k == K - 1:
@@ -386,15 +397,14 @@ def _microbatched(stages, batches, optimizer, loss_fn, microbatches, one_version
             new_rests.append(nnx.split(model, nnx.Param, ...)[2])
         return m.loss_fn(h, labels)[0], new_rests
 
+    gradient = jax.jit(jax.value_and_grad(loss, has_aux=True))
     for t, (x, labels) in enumerate(batches):
         at = before if one_version_old else m.W
         size = len(x) // microbatches
         total, values = None, []
         for i in range(microbatches):
             rows = slice(i * size, (i + 1) * size)
-            (value, m.R), grads = jax.value_and_grad(loss, has_aux=True)(
-                at, m.R, x[rows], labels[rows]
-            )
+            (value, m.R), grads = gradient(at, m.R, x[rows], labels[rows])
             total = grads if total is None else jax.tree.map(lambda a, b: a + b, total, grads)
             values.append(value)
         before = list(m.W)

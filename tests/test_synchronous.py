@@ -73,7 +73,11 @@ def test_interleaved_1f1b_matches_gpipe_on_its_chunks(model, virtual_stages, mic
     microbatch too), on every layout; with a control that the comparison can fail."""
     chunks = 2 * virtual_stages
     for name, layout in interleaved_layouts().items():
-        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+        # The CNN's 4 chunks at M = 2 under SMOOTH_OPTIMIZER reach a point where the
+        # reference itself moves by 1.6e-3 between its jitted and its eager arithmetic
+        # (measured); under the test optimizer every layout is within 5e-6 of both.
+        smooth = "replicas" in name and model != "cnn"
+        tx = SMOOTH_OPTIMIZER if smooth else optimizer
         options = dict(microbatches=microbatches, optimizer=tx)
         ref = reference(model, chunks, method="gpipe", **options)
         pipe, state, history = run_pipeline(
