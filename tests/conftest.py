@@ -16,12 +16,17 @@ import jax
 jax.config.update("jax_num_cpu_devices", int(os.environ.get("DGRAD_TEST_DEVICES", "4")))
 # XLA's CPU compiler is slow on convolution gradients; the many pipelines built
 # by the tests compile identical stage functions, which this cache shares.
-jax.config.update(
-    "jax_compilation_cache_dir",
-    os.environ.get(
+# The processes the tests start (commands, launchers' children, notebook kernels) read the
+# same cache through JAX's environment variables, which they inherit.
+CACHE = {
+    "JAX_COMPILATION_CACHE_DIR": os.environ.get(
         "DGRAD_TEST_JAX_CACHE", os.path.join(tempfile.gettempdir(), "dgrad-test-jax-cache")
     ),
-)
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
+}
+os.environ.update(CACHE)
+jax.config.update("jax_compilation_cache_dir", CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
