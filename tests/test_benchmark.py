@@ -53,24 +53,31 @@ def test_memory_of_the_policies():
     assert dots_deep < kept_deep
 
 
-def test_the_dispatch_floors_count_freeing_what_the_calls_gave_back(monkeypatch):
+def test_the_dispatch_floors_count_freeing_what_the_calls_gave_back():
     """The engine frees every array a call gives back within its step's time, so the
-    floors' bare loops count freeing too: here a clock that only freeing advances, and
-    calls that give back a scalar (held to wait on) and an array freed on the next call."""
-    clock = [0.0]
+    floors' bare loops count freeing too, on the real clock: calls that give back an array
+    of 200,000 Python objects, made beforehand, cost the loop that drops them the freeing
+    (milliseconds), and the same calls whose outputs stay referenced cost microseconds."""
 
-    class Freed:
-        size = 100  # larger than the scalar, so not the one held to wait on
+    def outputs(count):
+        made = []
+        for _ in range(count):
+            held = np.empty(200_000, dtype=object)
+            held[:] = [[i] for i in range(held.size)]
+            made.append(held)
+        return made
 
-        def __del__(self):
-            clock[0] += 1.0
+    def calls(made, keep):
+        def call():
+            return jnp.zeros(()), (made[-1] if keep else made.pop())
 
-    def call():
-        return jnp.zeros(()), Freed()
+        return [call] * len(made)
 
-    monkeypatch.setattr(benchmark.time, "thread_time", lambda: clock[0])
-    assert benchmark._host_seconds([call] * 3) == 3.0
-    assert benchmark._host_seconds([call] * 2, wait_each=True) == 2.0
+    benchmark._host_seconds(calls(outputs(1), keep=True))  # jnp.zeros compiled here
+    for wait_each in (False, True):
+        kept = benchmark._host_seconds(calls(outputs(3), keep=True), wait_each=wait_each)
+        freed = benchmark._host_seconds(calls(outputs(3), keep=False), wait_each=wait_each)
+        assert freed > 10 * kept and freed > 3e-3, (wait_each, freed, kept)
 
 
 def test_each_case_steps_on_its_batch_placed_once_where_its_step_takes_it():
