@@ -36,3 +36,14 @@ def pytest_configure(config):
         flags = os.environ.get("XLA_FLAGS", "")
         if "--xla_backend_optimization_level" not in flags:  # xdist's workers inherit it
             os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level=0".strip()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `processes` run several processes at once; xdist (`--dist loadgroup`)
+    gives them all to one worker, one after another, so that no two of them share the two
+    cores while the other worker runs the in-process tests."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("processes"):
+            item.add_marker(pytest.mark.xdist_group("processes"))

@@ -273,6 +273,7 @@ def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
     assert len(list(tmp_path.glob("*.png"))) == len(rows) - 2  # every pipeline traced
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, label", [([], "fdg"), (["--methods=gpipe", "--microbatches=2"], "gpipe M=2")]
@@ -309,6 +310,7 @@ def test_the_benchmark_across_processes_prints_every_case_and_the_moves(flags, l
     assert "# predicted ceiling (sum of stage costs / slowest stage): " in output
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_the_benchmark_times_the_training_command_beside_the_engine():
     """Every case in both layouts: the engine's two windows and the command's steady epochs
@@ -347,6 +349,7 @@ def test_the_benchmark_times_the_training_command_beside_the_engine():
     assert all(re.fullmatch(r" [\d.]+ \[[\d.]+-[\d.]+\] ", row[5]) for row in rows), rows
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_failing_training_command_raises_with_its_output(tmp_path, processes):
     """The command's side of `--against-command` stops at once when the command fails, in

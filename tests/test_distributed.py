@@ -26,6 +26,8 @@ from dgrad.distributed import launch_local
 from dgrad.train import metrics
 from dgrad.train.checkpoint import Checkpointer
 
+pytestmark = pytest.mark.processes
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "multiprocess_worker.py")
 STEPS, SAVE_AT = 8, 4
 

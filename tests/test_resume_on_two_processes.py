@@ -10,6 +10,8 @@ from processes import run_command
 
 from dgrad.train import metrics
 
+pytestmark = pytest.mark.processes
+
 LAUNCH = [sys.executable, "-m", "experiments.launch", "--processes=2", "--cpu_devices=2", "--"]
 TINY = [
     "--config=experiments/configs/default.py:smoke",

@@ -10,6 +10,8 @@ from processes import run_command
 
 from dgrad.stress import LAYOUTS
 
+pytestmark = pytest.mark.processes
+
 STRESS = [sys.executable, "-m", "experiments.stress"]
 
 

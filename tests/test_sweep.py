@@ -117,6 +117,7 @@ def test_a_damaged_sweep_file_or_a_file_for_a_workdir_is_one_line(tmp_path, held
         Sweep(CONFIG, parse_grid("seed=0"), tmp_path / "sweep.json").claim()
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_tiny_sweep_runs_resumes_and_tabulates(tmp_path):
     command = [

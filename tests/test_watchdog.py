@@ -45,6 +45,7 @@ def _checkpoint_steps(run_dir):
     )
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_stalled_process_stops_every_process_with_one_line_each(tmp_path, monkeypatch):
     """Process 1 blocks before step 7 (after the checkpoint of step 6): it stops itself as
@@ -140,6 +141,7 @@ def test_a_start_stuck_before_its_first_step_takes_back_what_it_wrote(tmp_path):
     assert not run_dir.exists(), sorted(p.name for p in run_dir.rglob("*"))
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_the_processes_of_a_killed_launcher_stop_while_stuck(tmp_path):
     """Both processes are stuck (process 1 blocked, process 0 waiting for it) when the
@@ -222,6 +224,7 @@ raise SystemExit(3)  # JAX's shutdown at exit now waits for process 1 at its bar
 """
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_a_failed_process_leaves_within_its_bound_when_a_peer_is_gone():
     from dgrad.distributed import free_port
