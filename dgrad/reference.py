@@ -14,8 +14,8 @@ definition: batch by batch, each stage takes a step on its own auxiliary loss
 and hands its output on. GPipe, 1F1B (interleaved or not), zero-bubble and
 PipeDream-2BW are backprop over the microbatches of each batch, at the current
 weights or (2BW) at the weights of one version before; PipeDream is DDG with
-stashed weights. Each gradient is one whole `jax.value_and_grad` of the textbook loss,
-jitted only to keep the tests fast; the order of the steps is plain Python.
+stashed weights. The maths of each stage and loss is jitted, only to keep the tests
+fast; which batch meets which weights, and when, is plain Python.
 
 >>> import jax.numpy as jnp, optax
 >>> from dgrad import models
