@@ -1,7 +1,8 @@
 """Test setup: four fake CPU devices (DGRAD_TEST_DEVICES) and a persistent compilation cache.
 
 Both must be configured before JAX runs anything, hence at import time here.
-`pytest -m "not slow" -n 2` is the fast subset (every module, on two cores), and it asks
+`pytest -m "not slow" -n 2` is the fast subset (each test function once, on two cores; see
+`pytest_collection_modifyitems`), and it asks
 XLA for its quickest compiles (no backend optimisation: the numbers may differ in the last
 bits, and a compile takes about three quarters of the time); the CI runs everything, also on
 two cores, compiled as users' runs are.
@@ -41,9 +42,20 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """Tests marked `processes` run several processes at once; xdist (`--dist loadgroup`)
     gives them all to one worker, one after another, so that no two of them share the two
-    cores while the other worker runs the in-process tests."""
+    cores while the other worker runs the in-process tests.
+
+    The fast subset runs each test function once: a parametrized test's cases after its
+    first fast one are `slow`, as are the tests marked so (whole training commands, the runs that
+    start processes of their own). The CI runs every case.
+    """
     import pytest
 
+    seen = set()
     for item in items:
         if item.get_closest_marker("processes"):
             item.add_marker(pytest.mark.xdist_group("processes"))
+        function = (item.path, getattr(item, "originalname", item.name))
+        if hasattr(item, "callspec") and function in seen:
+            item.add_marker(pytest.mark.slow)
+        elif not item.get_closest_marker("slow"):
+            seen.add(function)

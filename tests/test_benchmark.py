@@ -53,6 +53,7 @@ def test_memory_of_the_policies():
     assert dots_deep < kept_deep
 
 
+@pytest.mark.slow
 def test_the_dispatch_floors_count_freeing_what_the_calls_gave_back():
     """The engine frees every array a call gives back within its step's time, so the
     floors' bare loops count freeing too, on the real clock: calls that give back an array
@@ -171,6 +172,7 @@ def test_processes_time_one_microbatch_count(capsys):
     assert "give gpipe one --microbatches value, not 4,8" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_split_the_model_lacks_is_one_line():
     """The papers give ResNet-20 no split into 3 stages: one line, exit 2, no traceback."""
     status, output = run_command(

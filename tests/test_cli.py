@@ -151,6 +151,7 @@ def test_a_mistake_gets_one_line_and_status_2(tmp_path, args, message):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "arguments, prepare, instead",
     [
@@ -241,6 +242,7 @@ def test_ctrl_c_at_any_moment_stops_cleanly(tmp_path, moment):
         assert not workdir.exists()  # stopped before any checkpoint: nothing left behind
 
 
+@pytest.mark.slow
 def test_a_workdir_of_another_experiment_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"method": "ddg"}))
     status, output = cli(SMOKE, f"--workdir={tmp_path}", timeout=120)
@@ -248,6 +250,7 @@ def test_a_workdir_of_another_experiment_is_refused(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text()) == {"method": "ddg"}
 
 
+@pytest.mark.slow
 def test_a_run_whose_checkpoints_all_fail_to_restore_is_one_line_and_status_2(tmp_path):
     """Damaged checkpoints: each resume is one line, a resume with none left status 2."""
     from damage import damage, snapshot

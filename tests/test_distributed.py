@@ -102,6 +102,7 @@ def test_checkpoints_move_between_process_counts(tmp_path):
     assert_close(resumed_there, jax.tree.leaves(uninterrupted))
 
 
+@pytest.mark.slow
 def test_a_process_that_dies_takes_the_others_down(tmp_path):
     log = _Log()
     command = [sys.executable, WORKER, "--layout=c", f"--out={tmp_path / 'x.npz'}", "--steps=3"]

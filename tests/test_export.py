@@ -8,6 +8,7 @@ from helpers import batches, build_pipeline, build_stages
 from dgrad.train import export
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fdg", pytest.param("ddg", marks=pytest.mark.slow)])
 def test_merged_model_predicts_like_the_pipeline(tmp_path, method):
     data = batches("cnn", 7)

@@ -49,6 +49,7 @@ def test_a_language_model_finishes_under_stress_on_two_processes():
     _finishes_one_run("2x1", 200, "--config=experiments/configs/lm_stdlib.py:smoke")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [

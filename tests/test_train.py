@@ -20,6 +20,7 @@ from dgrad.train.cli import load_config
 from dgrad.train.config import runs_of
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method, microbatches, optimizer",
     [
@@ -157,6 +158,7 @@ def test_the_loop_reads_a_steps_metrics_after_the_next_is_dispatched(tmp_path, m
     assert logged == [3, 6, 8, 9, 12, 15, 16]
 
 
+@pytest.mark.slow
 def test_a_stop_during_a_save_keeps_the_checkpoint_whole(tmp_path, monkeypatch):
     original = Checkpointer.save
 
@@ -178,6 +180,7 @@ def test_a_stop_during_a_save_keeps_the_checkpoint_whole(tmp_path, monkeypatch):
     assert any("resumed from the checkpoint at step 6" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_or_its_export_resumes_whole(tmp_path):
     """SIGKILL leaves what was written: records of steps without a checkpoint (they are
     redone), or a final checkpoint without the exported model and the curves."""
@@ -248,6 +251,7 @@ def whole_and_cut(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", sorted(DAMAGES))
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before(tmp_path, whole_and_cut, how):
     """One line names the checkpoint and what failed, one says where the run resumed; the
@@ -330,6 +334,7 @@ def test_with_peak_tflops_every_train_record_says_its_mfu(tmp_path):
     assert flops[0] > 0 and flops == pytest.approx([flops[0]] * len(flops))
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_a_checkpoint_is_written_resumes_from_the_one_before(
     tmp_path, whole_and_cut
 ):

@@ -128,6 +128,7 @@ def test_a_stuck_run_obeys_sigterm_within_its_grace(tmp_path):
     assert _checkpoint_steps(run_dir / "fdg_k2")[-1] == 6
 
 
+@pytest.mark.slow
 def test_a_start_stuck_before_its_first_step_takes_back_what_it_wrote(tmp_path):
     """SIGTERM while the first step is stuck (compiling, say): the watchdog's exit leaves
     no run directory that would hold the workdir to this config; the same command
@@ -198,6 +199,7 @@ with StopRequests(), Watchdog(stall_timeout=0, grace_s=1.0) as watchdog:
 """
 
 
+@pytest.mark.slow
 def test_a_signalled_run_that_steps_on_and_then_sticks_stops_within_the_grace():
     """The beats after a signal show the stop is under way; they do not excuse a stop
     that then waits forever (a vote or a transfer with a peer that died)."""

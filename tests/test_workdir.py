@@ -17,6 +17,7 @@ from dgrad.train import config as fields
 from dgrad.train.cli import load_config
 
 
+@pytest.mark.slow
 def test_looking_at_a_workdir_imports_no_model_library():
     """A finished run's command reads its checkpoints' metadata and stops: the modules it
     imports for that (workdir, checkpoint) must not pull in flax or optax, whose import
@@ -34,6 +35,7 @@ def test_looking_at_a_workdir_imports_no_model_library():
     assert output.strip().splitlines()[-1] == "[]", output
 
 
+@pytest.mark.slow
 def test_a_second_command_in_a_workdir_being_trained_is_refused(tmp_path, monkeypatch):
     from dgrad.train import experiment, workdir
 
@@ -175,6 +177,7 @@ def test_a_baseline_saved_as_one_stage_while_clipping_is_refused_in_one_line(tmp
         train(config, tmp_path, log=quiet, extend=True)
 
 
+@pytest.mark.slow
 def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
     config = small_config(num_epochs=1)
     train(config, tmp_path / "short", log=quiet)
@@ -192,6 +195,7 @@ def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
         train(small_config(num_epochs=1), tmp_path / "short", extend=True, log=quiet)
 
 
+@pytest.mark.slow
 def test_an_unfinished_run_is_finished_before_it_is_extended(tmp_path, monkeypatch):
     """--extend lays the schedule out anew from where the run ended: of a run stopped at
     step 5 of 8 that would change steps 5-8 as well, so it is refused, untouched."""
@@ -209,6 +213,7 @@ def test_an_unfinished_run_is_finished_before_it_is_extended(tmp_path, monkeypat
     assert [r["epoch"] for r in epochs] == [1, 2]
 
 
+@pytest.mark.slow
 def test_an_extension_that_was_stopped_resumes(tmp_path):
     train(small_config(num_epochs=1), tmp_path, log=quiet)
     stop = StopRequests()
