@@ -58,6 +58,13 @@ def _choice(name: str, value, choices) -> None:
         raise ValueError(f"Unknown {name} {value!r}; choose one of: {', '.join(choices)}.")
 
 
+def _known(fields) -> None:
+    names = [f.name for f in dataclasses.fields(Options)]
+    for name in fields:
+        if name not in names:
+            raise TypeError(f"unknown option {name!r}; the options are {', '.join(names)}.")
+
+
 def _integer(name: str, value, minimum: int, fix: str) -> None:
     checks.integer(name, value, minimum, what=f"an integer >= {minimum}", fix=fix)
 
@@ -267,6 +274,34 @@ class Options:
             )
         if self.probe_every is not None:
             _integer("probe_every", self.probe_every, 1, "or leave it unset for no probe")
+
+    def replace(self, **fields) -> Options:
+        """These options with `fields` replaced, checked again. The fields filled in from
+        the method (`weights`, `memory`, `microbatches`, `predict`) keep their filled-in
+        values unless given.
+
+        >>> Options(method="ddg").replace(memory="dots").memory
+        'dots'
+        >>> Options().replace(metod="ddg")
+        Traceback (most recent call last):
+        ...
+        TypeError: unknown option 'metod'; the options are method, beta, weights, ...
+        """
+        _known(fields)
+        return dataclasses.replace(self, **fields) if fields else self
+
+    @classmethod
+    def of(cls, options: Options | None = None, **fields) -> Options:
+        """`options` with `fields` replaced, or `Options(**fields)` where `options` is None
+        (what `dgrad.Pipeline` does with its arguments).
+
+        >>> Options.of(method="fr").memory, Options.of(Options(method="ddg"), beta=1.0).method
+        ('recompute', 'ddg')
+        """
+        if options is None:
+            _known(fields)
+            return cls(**fields)
+        return options.replace(**fields)
 
     @property
     def shrinks(self) -> bool:

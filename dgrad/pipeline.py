@@ -114,10 +114,9 @@ class Pipeline:
         output is stage k+1's input, the last stage's output goes to `loss_fn`.
       optimizer: an optax transformation (each stage gets its own state) or a
         function from the stage index to one.
-      method: the training method; it and `beta`, `weights`, `memory`, `fused`, `predict`,
-        `predict_lr`, `data_parallel`, `accumulate`, `probe_every`, `microbatches` and
-        `virtual_stages` are the training options of `dgrad.options.Options` (which says
-        what each means).
+      options: the training options, a `dgrad.options.Options` (which says what each
+        means; default `Options()`). Its fields may also be given as keywords
+        (`method="ddg", beta=0.5`), which replace those of `options`.
       devices: which devices (default all); `placement` says how the stages and their
         `data_parallel` replicas map onto them, see `dgrad.placement.Placement`.
       loss_fn: `(outputs, labels) -> (mean loss, metrics)` for the last stage.
@@ -136,64 +135,45 @@ class Pipeline:
     (0, ['accuracy', 'batch', 'loss'])
     >>> pipe.predict(state, batch[0]).shape
     (4, 3)
+    >>> from dgrad.options import Options  # the same options, as one object
+    >>> Pipeline(models.mlp([4, 8, 3], num_stages=2), Options(method="fdg"),
+    ...          optimizer=optax.sgd(0.1)).options == pipe.options
+    True
     """
 
     def __init__(
         self,
         stages: Sequence[nnx.Module],
+        options: Options | None = None,
         *,
         optimizer: Optimizer,
-        method: str = "fdg",
-        beta: float = 1.0,
-        weights: str | None = None,
-        memory: str | None = None,
-        fused: bool = False,
-        predict: str | None = None,
-        predict_lr: float | None = None,
-        data_parallel: int = 1,
-        accumulate: int = 1,
-        probe_every: int | None = None,
-        microbatches: int | None = None,
-        virtual_stages: int = 1,
         devices: Sequence[jax.Device] | None = None,
         placement: str | Sequence = "spread",
         loss_fn: LossFn = losses.softmax_cross_entropy,
+        **option_fields,
     ):
         if isinstance(stages, nnx.Module) or not isinstance(stages, Sequence) or not stages:
             raise TypeError(
                 "stages must be a non-empty list of flax.nnx.Module stages (a single module "
                 "is a one-stage pipeline: pass [module])."
             )
-        self.options = Options(
-            method=method,
-            beta=beta,
-            weights=weights,
-            memory=memory,
-            fused=fused,
-            predict=predict,
-            predict_lr=predict_lr,
-            data_parallel=data_parallel,
-            accumulate=accumulate,
-            probe_every=probe_every,
-            microbatches=microbatches,
-            virtual_stages=virtual_stages,
-        )
+        self.options = options = Options.of(options, **option_fields)
         self.num_stages = len(stages)
         self.schedule = Schedule(
-            method,
+            options.method,
             self.num_stages,
-            microbatches=self.options.microbatches,
-            fused=fused,
-            virtual_stages=virtual_stages,
+            microbatches=options.microbatches,
+            fused=options.fused,
+            virtual_stages=options.virtual_stages,
         )
         _check_aux_heads(stages, self.schedule)
         self.placement = Placement(
             self.num_stages,
             devices,
             placement,
-            data_parallel=data_parallel,
-            fused=fused,
-            virtual_stages=virtual_stages,
+            data_parallel=options.data_parallel,
+            fused=options.fused,
+            virtual_stages=options.virtual_stages,
             group_of=self.schedule.device_of,
         )
         self.loss_fn = loss_fn
@@ -202,7 +182,7 @@ class Pipeline:
             StageFunctions(
                 module,
                 self._stage_optimizer(optimizer, k),
-                options=self.options,
+                options=options,
                 first=not self.schedule.sends_cotangent(k),
                 loss_fn=loss_fn if k == last or locally(k) else None,
                 staleness=self.schedule.weight_staleness(k),
@@ -214,12 +194,12 @@ class Pipeline:
         self._calls: list[Calls] = [fns.calls for fns in self.stages]
         self._fused = jax.jit(self._fused_step, donate_argnums=(0, 1, 2))
         self._microbatches = jax.jit(
-            functools.partial(_cut, count=self.options.microbatches),
+            functools.partial(_cut, count=options.microbatches),
             out_shardings=self.placement.sharded(0),
         )
         self._evaluation_sums = jax.jit(self._evaluation_sums_fn)
-        self._probe = Probe(self)
-        self.probe_window = self.schedule.longest_wait() if probe_every is not None else 0
+        self._probe = Probe(self.stages, loss_fn, self.placement, self.schedule)
+        self.probe_window = self.schedule.longest_wait() if options.probe_every is not None else 0
         self._batch_shapes = None
         self.specs = None  # each stage's `dgrad.state.StageSpec`, once `init` has run
 
@@ -233,12 +213,6 @@ class Pipeline:
         if self.options.predict == "update" and self.schedule.weight_staleness(k) > 0:
             tx = remember_update(tx)
         return tx
-
-    method = property(lambda self: self.options.method)
-    beta = property(lambda self: self.options.beta)
-    weights = property(lambda self: self.options.weights)
-    memory = property(lambda self: self.options.memory)
-    fused = property(lambda self: self.options.fused)
 
     @property
     def devices(self) -> list[jax.Device]:
@@ -656,7 +630,7 @@ class Pipeline:
         >>> float(probe[1]["cosine"]), float(probe[0]["cosine"]) < 1  # the last stage's is fresh
         (1.0, True)
         """
-        return self._probe.measure(state, batch)
+        return self._probe.measure(state, batch, self.specs)
 
     # ------------------------------------------------------- use the weights
 

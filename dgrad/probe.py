@@ -16,12 +16,15 @@ import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
-    from dgrad.pipeline import Pipeline
-    from dgrad.state import PipelineState
+    from dgrad.placement import Placement
+    from dgrad.schedule import Schedule
+    from dgrad.stage import LossFn, StageFunctions
+    from dgrad.state import PipelineState, StageSpec
 
 
 class Probe:
-    """The probe of one pipeline (see `Pipeline.probe` for what it measures).
+    """The probe of one pipeline's stages (see `Pipeline.probe` for what it measures): its
+    stages' functions, the loss, where the stages live and the timetable.
 
     >>> import jax.numpy as jnp, optax
     >>> from dgrad import Pipeline, models
@@ -29,70 +32,77 @@ class Probe:
     ...                 optimizer=optax.sgd(0.1), probe_every=1)
     >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
     >>> state, _ = pipe.step(pipe.init(batch), batch)
-    >>> result = Probe(pipe).measure(state, batch)  # what pipe.probe(state, batch) returns
+    >>> probe = Probe(pipe.stages, pipe.loss_fn, pipe.placement, pipe.schedule)
+    >>> result = probe.measure(state, batch, pipe.specs)  # what pipe.probe(state, batch) does
     >>> sorted(result), sorted(result[0])
     ([0, 1], ['cosine', 'relative_difference', 'weight_drift'])
     """
 
-    def __init__(self, pipe: Pipeline):
-        self.pipe = pipe
-        self._fresh_gradients = jax.jit(
-            functools.partial(_fresh_gradients, pipe.stages, pipe.loss_fn)
-        )
+    def __init__(
+        self,
+        stages: list[StageFunctions],
+        loss_fn: LossFn,
+        placement: Placement,
+        schedule: Schedule,
+    ):
+        self.stages, self.placement, self.schedule = stages, placement, schedule
+        self._fresh_gradients = jax.jit(functools.partial(_fresh_gradients, stages, loss_fn))
         self._compare = jax.jit(compare_gradients)
 
-    def measure(self, state: PipelineState, batch) -> dict[int, dict[str, jax.Array]]:
+    def measure(
+        self, state: PipelineState, batch, specs: list[StageSpec]
+    ) -> dict[int, dict[str, jax.Array]]:
         """`Pipeline.probe`: each stage's applied gradient in the next `step(state, batch)`
-        against a fresh one, and how far its weights drifted.
+        against a fresh one, and how far its weights drifted (`specs`: the stages' specs,
+        as `Pipeline.init` made them).
 
         >>> import jax.numpy as jnp, optax
         >>> from dgrad import Pipeline, models
         >>> pipe = Pipeline(models.mlp([4, 3], num_stages=1), method="bp",
         ...                 optimizer=optax.sgd(0.1), probe_every=1)
         >>> batch = (jnp.ones((2, 4)), jnp.array([0, 1]))
-        >>> Probe(pipe).measure(pipe.init(batch), batch)  # BP's gradient is the fresh one
+        >>> probe = Probe(pipe.stages, pipe.loss_fn, pipe.placement, pipe.schedule)
+        >>> probe.measure(pipe.init(batch), batch, pipe.specs)  # BP's gradient: the fresh one
         {0: {'cosine': Array(1., dtype=float32), 'relative_difference': Array(0., ...), ...}}
         """
-        pipe = self.pipe
-        t, move = state.step, pipe.placement.move
+        t, move, schedule = state.step, self.placement.move, self.schedule
         known = {m.batch: (m.value, m.labels) for m in state.recent}
-        known[t] = pipe.placement.put_batch(tuple(batch), 0)
+        known[t] = self.placement.put_batch(tuple(batch), 0)
         params = [move(s.params, k, 0) for k, s in enumerate(state.stages)]
         rests = [move(s.rest, k, 0) for k, s in enumerate(state.stages)]
         fresh_of, results = {}, {}
-        if pipe.schedule.keeps_previous_weights:  # 2BW: every gradient at the version before
+        if schedule.keeps_previous_weights:  # 2BW: every gradient at the version before
             previous = [move(s.previous, k, 0) for k, s in enumerate(state.stages)]
             at_previous = self._fresh_gradients(previous, rests, *known[t])
-        for k in range(pipe.num_stages):
-            b = pipe.schedule.backward_batch(k, t)
+        for k in range(len(self.stages)):
+            b = schedule.backward_batch(k, t)
             if b is None or b not in known:
                 continue
             if b not in fresh_of:
                 fresh_of[b] = self._fresh_gradients(params, rests, *known[b])
-            if pipe.schedule.keeps_previous_weights:
+            if schedule.keeps_previous_weights:
                 applied, drift = move(at_previous[k], 0, k), state.stages[k].previous
             else:
-                applied, drift = self._applied_gradient(k, state, known, b)
+                applied, drift = self._applied_gradient(k, state, known, b, specs[k])
             fresh = fresh_of[b][k]
             if applied is None:
                 applied = move(fresh, 0, k)
             now = state.stages[k].params
-            if pipe.schedule.trains_locally(k):  # the head is not part of the model
+            if schedule.trains_locally(k):  # the head is not part of the model
                 applied, fresh, drift, now = (tree["body"] for tree in (applied, fresh, drift, now))
             results[k] = self._compare(
                 move(applied, k, 0), fresh, move(now, k, 0), move(drift, k, 0)
             )
         return results
 
-    def _applied_gradient(self, k, state, known, batch):
+    def _applied_gradient(self, k, state, known, batch, spec):
         """Stage k's gradient in the coming step (None where that step computes it from the
         current weights of every stage: the fresh gradient itself), and the weights of its
         batch's forward (NaN where the stage does not keep them)."""
-        pipe = self.pipe
-        stage, last, calls = state.stages[k], pipe.num_stages - 1, pipe.stages[k].calls
-        if pipe.schedule.trains_locally(k):
+        stage, last, calls = state.stages[k], len(self.stages) - 1, self.stages[k].calls
+        if self.schedule.trains_locally(k):
             if k == 0:
-                x, labels = pipe.placement.move(known[batch], 0, k)
+                x, labels = self.placement.move(known[batch], 0, k)
             else:
                 x, labels = state.activations[k].value, state.activations[k].labels
             return calls.aux_gradient(stage.params, stage.rest, x, labels), stage.params
@@ -106,7 +116,7 @@ class Probe:
             return None, stage.params
         record, received = stage.take(batch, k)[0], state.cotangents[k]
         grads = calls.gradient(
-            record, stage.params, stage.rest, received.value, pipe.specs[k].residual_layout
+            record, stage.params, stage.rest, received.value, spec.residual_layout
         )
         forward_weights = getattr(record, "params", None)
         if forward_weights is None:

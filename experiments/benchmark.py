@@ -249,7 +249,7 @@ def _bubble(case) -> str:
     from dgrad import timing
 
     pipe = case.pipe
-    if pipe is None or pipe.fused or pipe.num_stages == 1 or not case.device_busy:
+    if pipe is None or pipe.options.fused or pipe.num_stages == 1 or not case.device_busy:
         return "-"
     idle = " ".join(f"{100 * (1 - b):.0f}" for b in case.device_busy.values())
     return f"{idle} [{100 * max(timing.simulate(pipe.schedule).idle):.0f}]"
