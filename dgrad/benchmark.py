@@ -153,14 +153,12 @@ def dispatched_per_step(pipe, step: int = 100) -> tuple[int, int]:
     >>> dispatched_per_step(pipe)  # 2 forwards, 2 backwards, 2 losses, 2 updates; 2 + 2 moves
     (8, 4)
     """
-    from dgrad.schedule import messages_sent
-
     calls = pipe.schedule.work(step)
     groups = pipe.placement.groups
     moves = sum(
         groups[stage] != groups[work.stage]
         for work in calls
-        for _, stage, _ in messages_sent(pipe.schedule, work)
+        for _, stage, _ in work.sends(pipe.schedule)
     )
     return len(calls), moves
 

@@ -41,6 +41,7 @@ from dgrad.options import MICROBATCHED, Options
 from dgrad.placement import Placement, share
 from dgrad.probe import Probe
 from dgrad.schedule import (
+    KINDS,
     Apply,
     Backward,
     BackwardForward,
@@ -756,20 +757,9 @@ class Pipeline:
         )
 
 
-# What carries out each kind of timetable call (built once; a view from `observed` is
-# passed as `self`, so it runs its own watched functions).
-_CARRIERS = {
-    Forward: Pipeline._do_forward,
-    BackwardForward: Pipeline._do_backward_forward,
-    Backward: Pipeline._do_backward,
-    InputGradient: Pipeline._do_input_gradient,
-    WeightGradient: Pipeline._do_weight_gradient,
-    LossInput: Pipeline._do_loss_input,
-    Loss: Pipeline._do_loss,
-    LocalLoss: Pipeline._do_local_loss,
-    Apply: Pipeline._do_apply,
-    Fused: Pipeline._do_fused,
-}
+# What carries out each kind of timetable call: `Pipeline._do_<the kind's name>` (built
+# once; a view from `observed` is passed as `self`, so it runs its own watched functions).
+_CARRIERS = {kind: getattr(Pipeline, f"_do_{kind.name}") for kind in KINDS}
 
 
 def _check_aux_heads(stages, schedule: Schedule) -> None:

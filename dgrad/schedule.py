@@ -112,19 +112,80 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Union
+from typing import ClassVar, Union
 
 from dgrad.options import METHODS, MICROBATCHED
 
 Unit = Union[int, tuple[int, int]]  # a batch of the stream, or (batch, microbatch)
 
 
-# The work a stage does, one call each. `unit` names what it works on; the
-# engine passes each unit's activation forward and its cotangent backward.
+class Call:
+    """What every kind of timetable call declares, in one place: the stage function it
+    runs (`function`, one of `dgrad.stage.Calls`; `functions` lists all it may run), its
+    cost in the papers' units (`unit_cost`: a forward 1, a whole backward 2; None where
+    it depends on the model), the messages it waits for (`needs`) and sends (`sends`),
+    and the unit it shows in a timeline (`shown`, a field name). The engine carries a
+    kind out with `Pipeline._do_<name>`; the timing model, the timeline and the checks
+    of a timetable read the rest from here.
+
+    >>> call = BackwardForward(stage=1, backward=0, forward=2, update_first=True)
+    >>> call.function, call.unit_cost, call.shown_unit
+    ('step', 3.0, 2)
+    """
+
+    name: ClassVar[str]
+    functions: ClassVar[tuple[str, ...]]
+    unit_cost: ClassVar[float | None]
+    # (message kind, the field naming its unit): what arrives, and what leaves
+    takes: ClassVar[tuple[tuple[str, str], ...]] = ()
+    gives: ClassVar[tuple[tuple[str, str], ...]] = ()
+    shown: ClassVar[str | None] = "unit"
+
+    @property
+    def function(self) -> str:
+        return self.functions[0]
+
+    @property
+    def shown_unit(self) -> Unit | None:
+        """The unit the call forwards (or, for a backward alone, back-propagates; None
+        for a flush's update), as a timeline's `Event` records it."""
+        return None if self.shown is None else getattr(self, self.shown)
+
+    def needs(self) -> list[tuple]:
+        """The messages the call waits for: ("activation" | "cotangent", its stage, the
+        unit); the first stage reads its activations from the batch.
+
+        >>> BackwardForward(stage=1, backward=0, forward=2, update_first=True).needs()
+        [('activation', 1, 2), ('cotangent', 1, 0)]
+        """
+        return [
+            (kind, self.stage, getattr(self, field))
+            for kind, field in self.takes
+            if kind == "cotangent" or self.stage > 0
+        ]
+
+    def sends(self, schedule: Schedule) -> list[tuple]:
+        """The messages the call sends: its output on, its input's cotangent back, each as
+        ("activation" | "cotangent", the stage it waits for, the unit).
+
+        >>> InputGradient(stage=1, unit=(0, 1)).sends(Schedule("zb", 3, microbatches=2))
+        [('cotangent', 0, (0, 1))]
+        """
+        k, sent = self.stage, []
+        for kind, field in self.gives:
+            if kind == "activation" and k < schedule.last:
+                sent.append((kind, k + 1, getattr(self, field)))
+            elif kind == "cotangent" and schedule.sends_cotangent(k):
+                sent.append((kind, k - 1, getattr(self, field)))
+        return sent
+
+
+_FORWARD = (("activation", "unit"),)
+_BACKWARD = (("cotangent", "unit"),)
 
 
 @dataclasses.dataclass(frozen=True)
-class Forward:
+class Forward(Call):
     """Forward `unit` and keep what its backward needs (with the weights of one version
     before the current one if `previous`: PipeDream-2BW).
 
@@ -132,13 +193,19 @@ class Forward:
     Forward(stage=0, unit=0, previous=False)
     """
 
+    name: ClassVar[str] = "forward"
+    functions: ClassVar[tuple[str, ...]] = ("forward",)
+    unit_cost: ClassVar[float | None] = 1.0
+    takes: ClassVar = _FORWARD
+    gives: ClassVar = _FORWARD
+
     stage: int
     unit: Unit
     previous: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class Backward:
+class Backward(Call):
     """Back-propagate `unit` from its kept record and its received cotangent; update at
     once if `apply`, else add the gradient to the stage's sum for `Apply`.
 
@@ -146,13 +213,23 @@ class Backward:
     Backward(stage=0, unit=0, apply=True)
     """
 
+    name: ClassVar[str] = "backward"
+    functions: ClassVar[tuple[str, ...]] = ("backward_update", "backward_sum")
+    unit_cost: ClassVar[float | None] = 2.0
+    takes: ClassVar = _BACKWARD
+    gives: ClassVar = _BACKWARD
+
     stage: int
     unit: Unit
     apply: bool = True
 
+    @property
+    def function(self) -> str:
+        return self.functions[0] if self.apply else self.functions[1]
+
 
 @dataclasses.dataclass(frozen=True)
-class InputGradient:
+class InputGradient(Call):
     """Zero-bubble's B: the cotangent of `unit`'s input alone, sent on at once; the record
     and the received cotangent wait for the unit's `WeightGradient`.
 
@@ -160,12 +237,18 @@ class InputGradient:
     InputGradient(stage=1, unit=(0, 0))
     """
 
+    name: ClassVar[str] = "input_gradient"
+    functions: ClassVar[tuple[str, ...]] = ("backward_input",)
+    unit_cost: ClassVar[float | None] = 1.0
+    takes: ClassVar = _BACKWARD
+    gives: ClassVar = _BACKWARD
+
     stage: int
     unit: Unit
 
 
 @dataclasses.dataclass(frozen=True)
-class WeightGradient:
+class WeightGradient(Call):
     """Zero-bubble's W: `unit`'s parameter gradient from the record and cotangent its
     `InputGradient` (or `LossInput`) left, added to the stage's sum for `Apply`.
 
@@ -173,12 +256,16 @@ class WeightGradient:
     WeightGradient(stage=1, unit=(0, 1))
     """
 
+    name: ClassVar[str] = "weight_gradient"
+    functions: ClassVar[tuple[str, ...]] = ("backward_weights",)
+    unit_cost: ClassVar[float | None] = 1.0
+
     stage: int
     unit: Unit
 
 
 @dataclasses.dataclass(frozen=True)
-class LossInput:
+class LossInput(Call):
     """Zero-bubble's last stage: forward `unit`, its loss and the input cotangent, keeping
     the loss's VJP for the unit's `WeightGradient`.
 
@@ -186,18 +273,31 @@ class LossInput:
     LossInput(stage=1, unit=(0, 0))
     """
 
+    name: ClassVar[str] = "loss_input"
+    functions: ClassVar[tuple[str, ...]] = ("loss_input",)
+    unit_cost: ClassVar[float | None] = 2.0
+    takes: ClassVar = _FORWARD
+    gives: ClassVar = _FORWARD + _BACKWARD
+
     stage: int
     unit: Unit
 
 
 @dataclasses.dataclass(frozen=True)
-class BackwardForward:
+class BackwardForward(Call):
     """Back-propagate `backward` and update, and forward `forward`, in one call; the
     forward uses the updated weights if `update_first` (FDG), else the old ones (DDG).
 
     >>> Schedule("fdg", 2).work(2)[0]
     BackwardForward(stage=0, backward=0, forward=2, update_first=True)
     """
+
+    name: ClassVar[str] = "backward_forward"
+    functions: ClassVar[tuple[str, ...]] = ("step",)
+    unit_cost: ClassVar[float | None] = 3.0
+    takes: ClassVar = (("activation", "forward"), ("cotangent", "backward"))
+    gives: ClassVar = (("activation", "forward"), ("cotangent", "backward"))
+    shown: ClassVar[str | None] = "forward"
 
     stage: int
     backward: Unit
@@ -206,7 +306,7 @@ class BackwardForward:
 
 
 @dataclasses.dataclass(frozen=True)
-class Loss:
+class Loss(Call):
     """The last stage: forward `unit`, its loss and backward; update at once if `apply`,
     else add the gradient to the stage's sum (at the previous weights if `previous`).
 
@@ -214,14 +314,24 @@ class Loss:
     Loss(stage=1, unit=(0, 0), apply=False, previous=True)
     """
 
+    name: ClassVar[str] = "loss"
+    functions: ClassVar[tuple[str, ...]] = ("loss_step", "loss_sum")
+    unit_cost: ClassVar[float | None] = 3.0
+    takes: ClassVar = _FORWARD
+    gives: ClassVar = _FORWARD + _BACKWARD
+
     stage: int
     unit: Unit
     apply: bool = True
     previous: bool = False
 
+    @property
+    def function(self) -> str:
+        return self.functions[0] if self.apply else self.functions[1]
+
 
 @dataclasses.dataclass(frozen=True)
-class LocalLoss:
+class LocalLoss(Call):
     """DGL: forward `unit`, the loss of the stage's own head, backward and update; the
     output goes on with no gradient path back.
 
@@ -229,12 +339,18 @@ class LocalLoss:
     (LocalLoss(stage=0, unit=3), Loss(stage=1, unit=2, apply=True, previous=False))
     """
 
+    name: ClassVar[str] = "local_loss"
+    functions: ClassVar[tuple[str, ...]] = ("aux_step",)
+    unit_cost: ClassVar[float | None] = 3.0
+    takes: ClassVar = _FORWARD
+    gives: ClassVar = _FORWARD
+
     stage: int
     unit: Unit
 
 
 @dataclasses.dataclass(frozen=True)
-class Apply:
+class Apply(Call):
     """Update once with the mean of the `count` gradients summed this iteration (the
     flush), keeping the weights before it as the previous version if `keep_previous`.
 
@@ -242,23 +358,33 @@ class Apply:
     Apply(stage=0, count=4, keep_previous=True)
     """
 
+    name: ClassVar[str] = "apply"
+    functions: ClassVar[tuple[str, ...]] = ("apply_sum",)
+    unit_cost: ClassVar[float | None] = 0.0
+    shown: ClassVar[str | None] = None
+
     stage: int
     count: int
     keep_previous: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
-class Fused:
+class Fused(Call):
     """Fused backprop: the whole model's forward, backward and update as one call.
 
     >>> Schedule("bp", 3, fused=True).work(5)
     (Fused(unit=5),)
     """
 
+    name: ClassVar[str] = "fused"
+    functions: ClassVar[tuple[str, ...]] = ("fused_step",)
+    unit_cost: ClassVar[float | None] = None
+
     unit: Unit
+    stage: ClassVar[int] = 0  # it runs on the first stage's group
 
 
-Work = Union[
+KINDS = (
     Forward,
     Backward,
     InputGradient,
@@ -269,7 +395,8 @@ Work = Union[
     LocalLoss,
     Apply,
     Fused,
-]
+)
+Work = Union[KINDS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -798,7 +925,7 @@ class Schedule:
         queues = [self.device_work(d, t) for d in range(self.num_devices)]
         made = set()  # ("activation" | "cotangent", stage it waits for, unit)
         made_here = {
-            message for queue in queues for work in queue for message in messages_sent(self, work)
+            message for queue in queues for work in queue for message in work.sends(self)
         }
         order = []
         while any(queues):
@@ -806,12 +933,12 @@ class Schedule:
             for queue in queues:
                 if not queue:
                     continue
-                if all(m in made or m not in made_here for m in messages_needed(queue[0])):
+                if all(m in made or m not in made_here for m in queue[0].needs()):
                     tick.append(queue.pop(0))
             if not tick:
                 raise AssertionError(f"the {self.method} timetable of iteration {t} deadlocks")
             for work in tick:
-                made.update(messages_sent(self, work))
+                made.update(work.sends(self))
             order += tick
         return tuple(order)
 
@@ -843,9 +970,9 @@ summing=(None, None))
                 if isinstance(work, Fused):
                     continue
                 k = work.stage
-                for needed in messages_needed(work):
+                for needed in work.needs():
                     messages.pop(needed, None)  # (one made before the window: not in flight)
-                messages.update(dict.fromkeys(messages_sent(self, work), True))
+                messages.update(dict.fromkeys(work.sends(self), True))
                 if isinstance(work, (Forward, LossInput, BackwardForward)):
                     kept[k].append(work.forward if isinstance(work, BackwardForward) else work.unit)
                 if isinstance(work, (Backward, BackwardForward, WeightGradient)):
@@ -959,41 +1086,6 @@ def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> l
     for i in range(len(forwards) - warmup):
         work += [forwards[warmup + i], backwards[i]]
     return work + backwards[len(forwards) - warmup :]
-
-
-def messages_needed(work: Work) -> list[tuple]:
-    """The messages a call waits for: ("activation" | "cotangent", its stage, its unit).
-
-    >>> messages_needed(BackwardForward(stage=1, backward=0, forward=2, update_first=True))
-    [('activation', 1, 2), ('cotangent', 1, 0)]
-    """
-    if isinstance(work, (Forward, Loss, LossInput, LocalLoss)) and work.stage > 0:
-        return [("activation", work.stage, work.unit)]
-    if isinstance(work, BackwardForward):
-        return [("activation", work.stage, work.forward), ("cotangent", work.stage, work.backward)]
-    if isinstance(work, (Backward, InputGradient)):
-        return [("cotangent", work.stage, work.unit)]
-    return []
-
-
-def messages_sent(schedule: Schedule, work: Work) -> list[tuple]:
-    """The messages a call sends: its output on, its input's cotangent back, each as
-    ("activation" | "cotangent", the stage it waits for, the unit).
-
-    >>> messages_sent(Schedule("zb", 3, microbatches=2), InputGradient(stage=1, unit=(0, 1)))
-    [('cotangent', 0, (0, 1))]
-    """
-    if isinstance(work, (Apply, Fused, WeightGradient)):
-        return []
-    k, sent = work.stage, []
-    forward = work.forward if isinstance(work, BackwardForward) else work.unit
-    backward = work.backward if isinstance(work, BackwardForward) else work.unit
-    if not isinstance(work, (Backward, InputGradient)) and k < schedule.last:
-        sent.append(("activation", k + 1, forward))
-    backs = (Backward, InputGradient, BackwardForward, Loss, LossInput)
-    if isinstance(work, backs) and schedule.sends_cotangent(k):
-        sent.append(("cotangent", k - 1, backward))
-    return sent
 
 
 def _applies(work: Work) -> bool:

@@ -33,19 +33,7 @@ import time
 
 import jax
 
-from dgrad.schedule import Apply, BackwardForward, Unit, Work
-
-
-def unit_of(call: Work) -> Unit | None:
-    """The unit a timetable call works on, as its `Event` records it.
-
-    >>> from dgrad.schedule import Schedule
-    >>> [unit_of(call) for call in Schedule("gpipe", 2, microbatches=2).work(5)][:3]
-    [(5, 0), (5, 1), (5, 0)]
-    """
-    if isinstance(call, Apply):
-        return None
-    return call.forward if isinstance(call, BackwardForward) else call.unit
+from dgrad.schedule import Unit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +122,7 @@ class Timeline:
 
         def counted_step(state, batch):
             self._step = state.step
-            self._units = [unit_of(call) for call in pipe.schedule.work(state.step)]
+            self._units = [call.shown_unit for call in pipe.schedule.work(state.step)]
             try:
                 outputs = step(state, batch)
                 left = len(self._units)

@@ -27,62 +27,18 @@ import dataclasses
 import statistics
 from typing import Callable, Mapping
 
-from dgrad.schedule import (
-    Apply,
-    Backward,
-    BackwardForward,
-    Forward,
-    Fused,
-    InputGradient,
-    LocalLoss,
-    Loss,
-    LossInput,
-    Schedule,
-    WeightGradient,
-    Work,
-    messages_needed,
-    messages_sent,
-)
+from dgrad.schedule import KINDS, Schedule
 
 Costs = Mapping[tuple[int, str], float] | Callable[[int, str], float]
 
-# The papers' unit costs: a forward 1, a whole backward 2 (B 1 and W 1).
+# The papers' unit costs (a forward 1, a whole backward 2, B and W 1 each) of each stage
+# function, as the call kinds that run them declare them (`dgrad.schedule.Call`).
 UNIT_COSTS = {
-    "forward": 1.0,
-    "backward_sum": 2.0,
-    "backward_update": 2.0,
-    "backward_input": 1.0,
-    "backward_weights": 1.0,
-    "loss_step": 3.0,
-    "loss_sum": 3.0,
-    "loss_input": 2.0,
-    "step": 3.0,
-    "aux_step": 3.0,
-    "apply_sum": 0.0,
+    function: kind.unit_cost
+    for kind in KINDS
+    if kind.unit_cost is not None
+    for function in kind.functions
 }
-
-
-def call_name(call: Work) -> str:
-    """The stage function the engine runs for a timetable call (`dgrad.stage.Calls`).
-
-    >>> from dgrad.schedule import Schedule
-    >>> [call_name(c) for c in Schedule("zb", 2, microbatches=1).work(0)]
-    ['forward', 'loss_input', 'backward_sum', 'backward_weights', 'apply_sum', 'apply_sum']
-    """
-    if isinstance(call, Backward):
-        return "backward_update" if call.apply else "backward_sum"
-    if isinstance(call, Loss):
-        return "loss_step" if call.apply else "loss_sum"
-    return {
-        Forward: "forward",
-        InputGradient: "backward_input",
-        WeightGradient: "backward_weights",
-        LossInput: "loss_input",
-        BackwardForward: "step",
-        LocalLoss: "aux_step",
-        Apply: "apply_sum",
-        Fused: "fused_step",
-    }[type(call)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,20 +145,20 @@ def simulate(
     for t in range(full, full + steps):
         end = 0.0
         for call in schedule.work(t):
-            stage = getattr(call, "stage", 0)
+            stage = call.stage
             device = 0 if schedule.fused else schedule.device_of(stage)
             host += dispatch
             start = max(host, free[device])
-            for message in messages_needed(call):
+            for message in call.needs():
                 if message in ready:
                     sent, source = ready.pop(message)
                     start = max(start, sent + (move if source != device else 0.0))
-            seconds = cost(stage, call_name(call))
+            seconds = cost(stage, call.function)
             free[device] = start + seconds
             end = max(end, free[device])
             if t >= full + steps // 2:
                 busy[device] += seconds
-            for message in messages_sent(schedule, call):
+            for message in call.sends(schedule):
                 ready[message] = (free[device], device)
         ends.append(max(end, host))
     half = steps // 2

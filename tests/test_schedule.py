@@ -333,3 +333,12 @@ def test_renaming_from_the_fill_would_differ():
     assert sched._renamed(sched._plan(fdg.build_work(3)), 5) != fdg.build_work(8)
     two_bw = Schedule("2bw", 2, microbatches=2)  # iteration 0 has no step before to drain
     assert sched._renamed(sched._plan(two_bw.build_work(0)), 3) != two_bw.build_work(3)
+
+
+def test_every_call_kind_names_stage_functions_and_a_carrier():
+    from dgrad.pipeline import Pipeline
+    from dgrad.stage import Calls
+
+    for kind in sched.KINDS:
+        assert set(kind.functions) <= set(Calls._fields) | {"fused_step"}, kind
+        assert callable(getattr(Pipeline, f"_do_{kind.name}")), kind

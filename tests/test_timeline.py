@@ -10,7 +10,7 @@ from helpers import assert_equal
 
 import dgrad
 from dgrad import models
-from dgrad.timeline import Timeline, unit_of
+from dgrad.timeline import Timeline
 
 
 def test_timeline_watches_from_outside_without_changing_numbers(tmp_path):
@@ -93,7 +93,7 @@ def test_timeline_follows_the_chunked_and_zero_bubble_timetables(method, virtual
     timeline.close()
     for k in range(chunks):
         recorded = [e.unit for e in timeline.events if e.stage == k and e.step == 1]
-        assert recorded == [unit_of(c) for c in pipe.schedule.work(1) if c.stage == k], k
+        assert recorded == [c.shown_unit for c in pipe.schedule.work(1) if c.stage == k], k
     placed = {(k, pipe.placement.groups[k][0].id) for k in range(chunks)}
     assert {(e.stage, e.device) for e in timeline.events} == placed
     assert {device for _, device in placed} == {0, 1}

@@ -8,7 +8,7 @@ from helpers import batches, build_pipeline
 from dgrad import schedule as sched
 from dgrad.schedule import Schedule
 from dgrad.timeline import Event
-from dgrad.timing import call_name, costs_of, every_stage, simulate
+from dgrad.timing import UNIT_COSTS, costs_of, every_stage, simulate
 
 
 @pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (3, 5), (8, 32)])
@@ -128,7 +128,7 @@ def test_costs_of_takes_each_functions_median():
         ("1f1b", 4, dict(microbatches=2, virtual_stages=2)),
     ],
 )
-def test_call_name_is_the_function_the_engine_runs(method, K, options):
+def test_each_call_declares_the_function_the_engine_runs(method, K, options):
     pipe = build_pipeline("mlp", K, method=method, devices=jax.devices()[:1], **options)
     seen = []
 
@@ -145,8 +145,25 @@ def test_call_name_is_the_function_the_engine_runs(method, K, options):
     for t, batch in enumerate(data):
         seen.clear()
         state, _ = view.step(state, batch)
-        expected = [(getattr(c, "stage", 0), call_name(c)) for c in pipe.schedule.work(t)]
+        expected = [(c.stage, c.function) for c in pipe.schedule.work(t)]
         assert seen == expected, (t, seen, expected)
     assert any(isinstance(c, sched.WeightGradient) for c in pipe.schedule.work(1)) == (
         method == "zb"
     )
+
+
+def test_the_papers_unit_costs_are_those_the_call_kinds_declare():
+    """A forward 1, a whole backward 2 (zero-bubble's B and W 1 each), read off the kinds."""
+    assert UNIT_COSTS == {
+        "forward": 1.0,
+        "backward_update": 2.0,
+        "backward_sum": 2.0,
+        "backward_input": 1.0,
+        "backward_weights": 1.0,
+        "loss_input": 2.0,
+        "step": 3.0,
+        "loss_step": 3.0,
+        "loss_sum": 3.0,
+        "aux_step": 3.0,
+        "apply_sum": 0.0,
+    }
