@@ -23,8 +23,26 @@ import numbers
 
 from dgrad import checks
 
-METHODS = ("bp", "ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "zb", "pipedream", "2bw")
-TITLES = {"gpipe": "GPipe", "pipedream": "PipeDream", "2bw": "PipeDream-2BW", "zb": "ZB-H1"}
+METHODS = (
+    "bp",
+    "ddg",
+    "fdg",
+    "fr",
+    "dgl",
+    "gpipe",
+    "1f1b",
+    "zb",
+    "dualpipev",
+    "pipedream",
+    "2bw",
+)
+TITLES = {
+    "gpipe": "GPipe",
+    "pipedream": "PipeDream",
+    "2bw": "PipeDream-2BW",
+    "zb": "ZB-H1",
+    "dualpipev": "DualPipeV",
+}
 
 
 def method_title(method: str, virtual_stages: int = 1) -> str:
@@ -41,7 +59,8 @@ def method_title(method: str, virtual_stages: int = 1) -> str:
     return TITLES.get(method, method.upper())
 
 
-MICROBATCHED = ("gpipe", "1f1b", "zb", "2bw")  # split each batch into `microbatches`
+MICROBATCHED = ("gpipe", "1f1b", "zb", "dualpipev", "2bw")  # split each batch into `microbatches`
+SPLIT_BACKWARD = ("zb", "dualpipev")  # cut backwards into B (input) and W (weights)
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")
 PREDICTIONS = ("momentum", "update")  # see dgrad.optim.prediction
@@ -90,7 +109,9 @@ class Options:
         "1f1b (1F1B-flush, Narayanan et al. 2021: gpipe's numbers in another order; "
         "interleaved with virtual_stages), zb (zero-bubble ZB-H1, Qi et al. 2024: 1F1B with "
         "each backward cut into input and weight gradients, the latter deferred into the "
-        "bubble; ZB-V with virtual_stages=2; gpipe's numbers), pipedream (asynchronous 1F1B "
+        "bubble; ZB-V with virtual_stages=2; gpipe's numbers), dualpipev (DualPipeV, the V "
+        "half of DeepSeek-V3's DualPipe 2024: ZB-V's placement in its own order, "
+        "virtual_stages=2 and microbatches >= 2K; gpipe's numbers), pipedream (asynchronous 1F1B "
         "with weight stashing, Harlap et al. 2019: ddg's numbers), 2bw (PipeDream-2BW, "
         "Narayanan et al. 2021: each gradient one weight version old, steps overlapping with "
         "no flush); dgrad.schedule "
@@ -179,16 +200,21 @@ class Options:
         else:
             object.__setattr__(self, "microbatches", 1)
         _integer("virtual_stages", self.virtual_stages, 1, "use 1 for one stage per group")
-        if self.virtual_stages > 1 and self.method not in ("1f1b", "zb"):
+        if self.virtual_stages > 1 and self.method not in ("1f1b", "zb", "dualpipev"):
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} puts several chunks on each device "
-                f"group (1f1b: interleaved 1F1B, zb: ZB-V); use one of those methods with "
-                f"it, or virtual_stages=1 with method={self.method}."
+                f"group (1f1b: interleaved 1F1B, zb: ZB-V, dualpipev); use one of those "
+                f"methods with it, or virtual_stages=1 with method={self.method}."
             )
-        if self.method == "zb" and self.memory not in (None, "residuals"):
+        if self.method == "dualpipev" and self.virtual_stages != 2:
             raise ValueError(
-                "method=zb computes each backward's input and weight gradients in two calls "
-                "from the forward's kept residuals; leave memory unset or use "
+                f"method=dualpipev puts 2 chunks on each device group, in a V; use "
+                f"virtual_stages=2, not {self.virtual_stages}."
+            )
+        if self.method in SPLIT_BACKWARD and self.memory not in (None, "residuals"):
+            raise ValueError(
+                f"method={self.method} computes each backward's input and weight gradients "
+                "in two calls from the forward's kept residuals; leave memory unset or use "
                 "memory=residuals."
             )
         if self.method in ("pipedream", "2bw") and self.weights not in (None, "stash"):

@@ -428,6 +428,10 @@ def check_virtual_stages(
         ...
     ValueError: virtual_stages=2 runs the microbatches in rounds of K=4 (one per device ...
     >>> check_virtual_stages(8, 2, 6, method="zb")  # ZB-V: any M
+    >>> check_virtual_stages(8, 2, 6, method="dualpipev")
+    Traceback (most recent call last):
+        ...
+    ValueError: method=dualpipev needs at least 2K microbatches (K=4 device groups: its ...
     """
     if num_stages % virtual_stages:
         raise ValueError(
@@ -441,6 +445,20 @@ def check_virtual_stages(
                 f"method=zb with virtual_stages={virtual_stages}: zero-bubble's V schedule "
                 "(ZB-V, Qi et al. 2024) puts exactly 2 chunks on each device group; use "
                 "virtual_stages=2, or 1 for ZB-H1."
+            )
+        return
+    if method == "dualpipev":
+        if virtual_stages != 2:
+            raise ValueError(
+                f"method=dualpipev puts 2 chunks on each device group, in a V; use "
+                f"virtual_stages=2, not {virtual_stages}."
+            )
+        groups = num_stages // virtual_stages
+        if microbatches < 2 * groups:
+            raise ValueError(
+                f"method=dualpipev needs at least 2K microbatches (K={groups} device groups: "
+                f"its warm-up alone runs 2K forwards on the first), not {microbatches}; use "
+                f"microbatches={2 * groups} or more."
             )
         return
     groups = num_stages // virtual_stages
@@ -483,7 +501,7 @@ class Schedule:
                 f"method={self.method} has no microbatches; microbatches is for "
                 f"{', '.join(MICROBATCHED)}."
             )
-        if self.virtual_stages != 1:
+        if self.virtual_stages != 1 or self.method == "dualpipev":
             check_virtual_stages(
                 self.num_stages, self.virtual_stages, self.microbatches, self.method
             )
@@ -507,7 +525,7 @@ class Schedule:
         [0, 1, 1, 0]
         """
         K = self.num_devices
-        if self.method == "zb" and self.virtual_stages == 2:
+        if self.method in ("zb", "dualpipev") and self.virtual_stages == 2:
             return stage if stage < K else 2 * K - 1 - stage
         return stage % K
 
@@ -529,6 +547,7 @@ class Schedule:
             "1f1b": "gpipe",
             "2bw": "gpipe",
             "zb": "gpipe",
+            "dualpipev": "gpipe",
         }.get(self.method, self.method)
 
     @property
@@ -843,6 +862,8 @@ class Schedule:
             return self.stage_work(device, t)
         if self.method == "zb":
             return self._zero_bubble_v_work(device, t)
+        if self.method == "dualpipev":
+            return self._dualpipe_v_work(device, t)
         K, V, M = self.num_devices, self.virtual_stages, self.microbatches
         total = M * V
 
@@ -918,15 +939,46 @@ class Schedule:
                 work.append(WeightGradient(chunk, unit))
         return work + [Apply(second, M), Apply(first, M)]
 
+    def _dualpipe_v_work(self, device: int, t: int) -> list[Work]:
+        """DualPipeV (the V half of DualPipe, DeepSeek-AI 2024): ZB-V's placement in the
+        order of `dualpipe_v_order`. Where DualPipeV overlaps one chunk's forward with the
+        other's backward in one call, the engine runs them as two calls in a row (one
+        controller dispatching to XLA has nothing to overlap by hand). The last chunk's F
+        and B are one call (`LossInput` where its B is cut, else `Loss`), chunk 0's B and
+        W one `Backward`, a B that is not cut one `Backward`.
+
+        >>> s = Schedule("dualpipev", 4, microbatches=4, virtual_stages=2)
+        >>> [(type(w).__name__, w.stage, w.unit[1]) for w in s.device_work(1, 0)[:4]]
+        [('Forward', 1, 0), ('Forward', 2, 0), ('Forward', 1, 1), ('Forward', 2, 1)]
+        """
+        K, M = self.num_devices, self.microbatches
+        order = dualpipe_v_order(K, device, M)
+        chunk_of = (device, 2 * K - 1 - device)
+        cut = {(phase, m) for phase, kind, m, split in order if kind == "B" and split}
+        work = []
+        for phase, kind, m, split in order:
+            chunk, unit = chunk_of[phase], (t, m)
+            if kind == "F" and chunk == self.last:
+                work.append(
+                    LossInput(chunk, unit) if (phase, m) in cut else Loss(chunk, unit, False)
+                )
+            elif kind == "F":
+                work.append(Forward(chunk, unit))
+            elif kind == "B" and chunk == 0 or kind == "B" and not split and chunk != self.last:
+                work.append(Backward(chunk, unit, apply=False))
+            elif kind == "B" and chunk != self.last:
+                work.append(InputGradient(chunk, unit))
+            elif kind == "W" and chunk != 0:
+                work.append(WeightGradient(chunk, unit))
+        return work + [Apply(chunk_of[1], M), Apply(chunk_of[0], M)]
+
     def _microbatch_work(self, t: int) -> tuple[Work, ...]:
         """Every device's `device_work`, merged clock tick by clock tick: in each tick every
         device does its next call if what it needs is ready (made in an earlier tick, or
         carried in from an earlier iteration)."""
         queues = [self.device_work(d, t) for d in range(self.num_devices)]
         made = set()  # ("activation" | "cotangent", stage it waits for, unit)
-        made_here = {
-            message for queue in queues for work in queue for message in work.sends(self)
-        }
+        made_here = {message for queue in queues for work in queue for message in work.sends(self)}
         order = []
         while any(queues):
             tick = []
@@ -1076,6 +1128,66 @@ def _renamed(plan: tuple, batches: int) -> tuple[Work, ...]:
             call = type(call)(*values)
         work.append(call)
     return tuple(work)
+
+
+def dualpipe_v_order(K: int, d: int, M: int) -> list[tuple[int, str, int, bool]]:
+    """Device d's order under DualPipeV with K devices and M >= 2K microbatches, as
+    (phase, "F" | "B" | "W", microbatch, whether a B leaves its W for later): phase 0 is
+    the device's chunk on the way down (chunk d), phase 1 its chunk on the way back up
+    (2K-1-d). In eight runs: 2(K-1-d) F0; d+1 times F0 F1; K-1-d times B1 (W left) W F1;
+    M-2K+d+1 times F0 B1 F1 B0; K-1-d times B1 F1 B0; d+1 times B1 B0 (the second half
+    with their W's left); K-1-d times W B0 (W left); the W's left. A W runs the oldest
+    one left.
+
+    >>> [f"{k}{p}" for p, k, m, _ in dualpipe_v_order(2, 1, 4)][:8]  # the last device
+    ['F0', 'F1', 'F0', 'F1', 'F0', 'B1', 'F1', 'B0']
+    >>> sum(k == "F" for _, k, _, _ in dualpipe_v_order(4, 0, 8)) == 2 * 8  # both phases
+    True
+    """
+    done = {(phase, kind): 0 for phase in (0, 1) for kind in "FB"}
+    left, order = [], []
+
+    def run(phase: int, kind: str, split: bool = False) -> None:
+        if kind == "W":
+            phase, m = left.pop(0)
+            order.append((phase, "W", m, False))
+            return
+        m = done[(phase, kind)]
+        done[(phase, kind)] += 1
+        order.append((phase, kind, m, split))
+        if split:
+            left.append((phase, m))
+
+    for _ in range(2 * (K - 1 - d)):
+        run(0, "F")
+    for _ in range(d + 1):
+        run(0, "F")
+        run(1, "F")
+    for _ in range(K - 1 - d):
+        run(1, "B", split=True)
+        run(1, "W")
+        run(1, "F")
+    for _ in range(M - 2 * K + d + 1):
+        run(0, "F")
+        run(1, "B")
+        run(1, "F")
+        run(0, "B")
+    for _ in range(K - 1 - d):
+        run(1, "B")
+        run(1, "F")
+        run(0, "B")
+    split = False
+    for i in range(d + 1):
+        split = split or (i == (d + 1) // 2 and d % 2 == 1)
+        run(1, "B", split)
+        split = split or (i == (d + 1) // 2 and d % 2 == 0)
+        run(0, "B", split)
+    for _ in range(K - 1 - d):
+        run(0, "W") if left else None
+        run(0, "B", split=True)
+    while left:
+        run(0, "W")
+    return order
 
 
 def _one_forward_one_backward(forwards: list, backwards: list, warmup: int) -> list:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dgrad.options import SPLIT_BACKWARD
 from dgrad.placement import Placement
 from dgrad.schedule import Schedule, Unit
 from dgrad.stage import Record, Residuals, StageFunctions
@@ -171,7 +172,7 @@ def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageS
             if k == last:
                 jax.eval_shape(fns._loss_and_backward, fns.params, fns.rest, shape, labels)
                 layout = None
-                if fns.options.method == "zb" and k > 0:  # its W back-propagates the loss's VJP
+                if fns.options.method in SPLIT_BACKWARD and k > 0:  # its W: the loss's VJP
                     layout = fns.loss_residual_layout(fns.params, fns.rest, shape, labels)
                 specs.append(StageSpec(shape, None, None, layout))
             else:

@@ -90,12 +90,13 @@ def test_resume_is_bit_identical_on_another_layout(
     assert_equal(run(fresh, state, data[SAVE_AT:]), uninterrupted)
 
 
-@pytest.mark.parametrize("method", ["1f1b", "zb"])
+@pytest.mark.parametrize("method", ["1f1b", "zb", "dualpipev"])
 def test_chunked_schedules_resume_bit_identically_on_another_layout(tmp_path, method):
-    """Interleaved 1F1B and ZB-V (2 chunks on each of 2 groups) saved mid-run and resumed
-    with the groups' devices swapped, then on one device: the same bits as a run that
-    never stopped."""
-    options = dict(method=method, microbatches=2, virtual_stages=2)
+    """Interleaved 1F1B, ZB-V and DualPipeV (2 chunks on each of 2 groups) saved mid-run
+    and resumed with the groups' devices swapped, then on one device: the same bits as a
+    run that never stopped."""
+    microbatches = 4 if method == "dualpipev" else 2  # DualPipeV: at least 2K
+    options = dict(method=method, microbatches=microbatches, virtual_stages=2)
     data, uninterrupted = saved_and_continued(tmp_path, "mlp", 4, **options)
     for devices in (jax.devices()[1::-1], jax.devices()[:1]):
         fresh = build_pipeline("mlp", 4, devices=devices, **options)

@@ -123,7 +123,10 @@ def test_gpipe_from_the_command_line_trains_fused_backprop_s_numbers(tmp_path):
         (["--config.steps_per_epoch=100"], "more than the 22 batches of 64"),
         (["--config.method=sgd"], "Unknown method 'sgd'; choose one of: bp, ddg, fdg"),
         (["--config.method=ddg", "--config.beta=0.5"], "only FDG has; use method=fdg or beta=1"),
-        (["--config.microbatches=4"], "method=fdg has no microbatches (only gpipe, 1f1b, zb, 2bw"),
+        (
+            ["--config.microbatches=4"],
+            "method=fdg has no microbatches (only gpipe, 1f1b, zb, dualpipev, 2bw",
+        ),
         (["--config.predict=velocity"], "Unknown predict 'velocity'; choose one of: momentum"),
         pytest.param(
             ["--config.model.name=mlp", "--config.num_stages=9"],

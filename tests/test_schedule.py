@@ -107,6 +107,7 @@ PAPERS = {
     "gpipe": lambda t, k, K: (t, t),
     "1f1b": lambda t, k, K: (t, t),
     "zb": lambda t, k, K: (t, t),
+    "dualpipev": lambda t, k, K: (t, t),
     "2bw": lambda t, k, K: (t, t - (k < K - 1)),  # no flush: b_t's backwards end in t + 1
     "ddg": lambda t, k, K: (t, t - (K - 1 - k)),
     "fr": lambda t, k, K: (t, t - (K - 1 - k)),
@@ -138,6 +139,9 @@ def test_the_calls_and_the_arithmetic_say_what_the_papers_do(method, K):
     weight_staleness (which the probe, the checkpoint structure and the reference read),
     against the papers' timetables, for every method."""
     assert set(PAPERS) == set(METHODS)
+    if method == "dualpipev":  # K groups of 2 chunks, at least 2K microbatches
+        _check_replay(Schedule(method, 2 * K, microbatches=2 * K + 1, virtual_stages=2))
+        return
     microbatches = 3 if method in MICROBATCHED else 1
     _check_replay(Schedule(method, K, microbatches=microbatches))
 
@@ -147,6 +151,11 @@ def test_chunked_schedules_apply_each_batch_once_per_chunk_in_its_own_step(K, V,
     for schedule in [
         Schedule("1f1b", K * V, microbatches=M, virtual_stages=V),
         *([Schedule("zb", 2 * K, microbatches=M, virtual_stages=2)] if V == 2 else []),
+        *(
+            [Schedule("dualpipev", 2 * K, microbatches=M, virtual_stages=2)]
+            if V == 2 and M >= 2 * K
+            else []
+        ),
     ]:
         seen = _replay(schedule, 3)
         assert all(seen["applied"][(j, t)] == {t} for j in range(K * V) for t in range(3))
@@ -308,6 +317,8 @@ def test_the_replay_can_fail():
 def _every_timetable():
     yield Schedule("bp", 3, fused=True)
     for method in METHODS:
+        if method == "dualpipev":
+            continue  # only in a V: below
         for K in (1, 2, 3, 4):
             for M in (1, 2, 4) if method in MICROBATCHED else (1,):
                 yield Schedule(method, K, microbatches=M)
@@ -315,6 +326,8 @@ def _every_timetable():
         yield Schedule("1f1b", K * V, microbatches=M, virtual_stages=V)
     for K, M in [(1, 2), (2, 2), (2, 4), (3, 5)]:
         yield Schedule("zb", 2 * K, microbatches=M, virtual_stages=2)
+    for K, M in [(1, 2), (2, 4), (3, 7)]:
+        yield Schedule("dualpipev", 2 * K, microbatches=M, virtual_stages=2)
 
 
 def test_the_work_of_a_full_pipeline_is_the_one_before_it_renamed():
@@ -342,3 +355,26 @@ def test_every_call_kind_names_stage_functions_and_a_carrier():
     for kind in sched.KINDS:
         assert set(kind.functions) <= set(Calls._fields) | {"fused_step"}, kind
         assert callable(getattr(Pipeline, f"_do_{kind.name}")), kind
+
+
+def test_dualpipe_v_runs_its_eight_phases():
+    """DualPipeV (DeepSeek-AI 2024) with K = 2, M = 4: device 0 holds chunks 0 and 3 (the
+    loss), device 1 chunks 1 and 2. Device 1 (d = K-1): d+1 times F of each chunk, then
+    M-2K+d+1 times F0 B1 F1 B0, then d+1 times B1 B0, the second half with its W left for
+    the end. Chunk 3's F and B are one call (LossInput where its W is left), chunk 0's B
+    and W one Backward; every batch is applied once per chunk in its own step."""
+    F, B, In, W = sched.Forward, sched.Backward, sched.InputGradient, sched.WeightGradient
+    u = [(0, m) for m in range(4)]
+    s = Schedule("dualpipev", 4, microbatches=4, virtual_stages=2)
+    assert s.device_work(1, 0) == [
+        F(1, u[0]), F(2, u[0]), F(1, u[1]), F(2, u[1]),
+        F(1, u[2]), B(2, u[0], False), F(2, u[2]), B(1, u[0], False),
+        F(1, u[3]), B(2, u[1], False), F(2, u[3]), B(1, u[1], False),
+        B(2, u[2], False), B(1, u[2], False), In(2, u[3]), In(1, u[3]),
+        W(2, u[3]), W(1, u[3]),
+        sched.Apply(2, 4), sched.Apply(1, 4),
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="at least 2K microbatches"):
+        Schedule("dualpipev", 4, microbatches=3, virtual_stages=2)
+    with pytest.raises(ValueError, match="use virtual_stages=2"):
+        Schedule("dualpipev", 4, microbatches=4)

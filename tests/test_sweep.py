@@ -62,6 +62,7 @@ def test_a_grid_over_methods_and_microbatches_skips_the_methods_that_have_none()
     ]
     assert skipped == [
         "method=ddg microbatches=4: method=ddg has no microbatches (only gpipe, 1f1b, zb, "
+        "dualpipev, "
         "2bw do); leave microbatches unset, not 4."
     ]
 

@@ -119,6 +119,31 @@ def test_zero_bubble_v_matches_gpipe_on_its_chunks(model, microbatches):
             assert_matches_reference(state, history, reference(model, 4, "2bw", **options))
 
 
+@pytest.mark.parametrize(
+    "model,microbatches",
+    [("mlp", 4), pytest.param("cnn", 4, marks=SLOW)],
+)
+def test_dualpipe_v_matches_gpipe_on_its_chunks(model, microbatches):
+    """DualPipeV: ZB-V's V (chunks 0 and 3 on one group, 1 and 2 on the other) in its own
+    order, GPipe's numbers on the 4 chunks, on every layout; a control that the comparison
+    can fail."""
+    for name, layout in interleaved_layouts().items():
+        tx = SMOOTH_OPTIMIZER if "replicas" in name and model != "cnn" else optimizer
+        options = dict(microbatches=microbatches, optimizer=tx)
+        ref = reference(model, 4, method="gpipe", **options)
+        pipe, state, history = run_pipeline(
+            model, 4, method="dualpipev", virtual_stages=2, **options, **layout
+        )
+        groups = pipe.placement.groups
+        assert [groups[j] for j in range(4)] == [groups[0], groups[1], groups[1], groups[0]]
+        try:
+            assert_matches_reference(state, history, ref)
+        except AssertionError as error:
+            raise AssertionError(f"{name}: {error}") from None
+        with pytest.raises(AssertionError):
+            assert_matches_reference(state, history, reference(model, 4, "2bw", **options))
+
+
 def accumulating(k: int):
     """The test optimizer stepping once per two gradients, their sum written out."""
     return summing(optimizer(k), 2)

@@ -167,3 +167,16 @@ def test_the_papers_unit_costs_are_those_the_call_kinds_declare():
         "aux_step": 3.0,
         "apply_sum": 0.0,
     }
+
+
+@pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (4, 16)])
+def test_dualpipe_v_bubble_is_within_its_papers(K, M):
+    """DualPipe's table gives DualPipeV's bubble as (PP/2-1)(F&B+B-3W) on PP = 2K chunks;
+    with the papers' unit costs (F 1, full B 2, W 1) and nothing overlapped (F&B = F+B) that
+    is 2(K-1) units per step beside 6M of work per device. The engine runs the last chunk's
+    F and B as one call and chunk 0's B and W as one, so it predicts less: K-1."""
+    prediction = simulate(Schedule("dualpipev", 2 * K, microbatches=M, virtual_stages=2))
+    work = 2 * M * (1 + 2)
+    assert prediction.busy_seconds == pytest.approx((work,) * K)
+    assert prediction.step_seconds - work == pytest.approx(K - 1)
+    assert prediction.step_seconds - work <= 2 * (K - 1)
