@@ -22,6 +22,7 @@ them under the same machine load (`dgrad.benchmark`). The table gives medians an
 GPipe, 1F1B, ZB and 2BW run with each of `--microbatches` (default 4, 8), 1F1B
 also interleaved with each of `--virtual-stages` (default 2; K*V chunks, where M is a
 multiple of K) and ZB also as ZB-V where V = 2 is among them (2K chunks in a V);
+DualPipeV (`dualpipev`) runs only as its V (V = 2, M >= 2K);
 every pipelined row gives each device's measured idle share beside the
 ideal bubble (the timetable played with the papers' unit costs, `dgrad.timing`), the
 step time and idle share `dgrad.timing` predicts from the measured cost of each call,
@@ -58,7 +59,8 @@ from dgrad.benchmark_across import GPT_SHAPE, chain_of, example_batch
 from dgrad.options import MICROBATCHED
 from dgrad.train.cli import OneLineParser
 
-METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "zb", "pipedream", "2bw")
+METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "zb", "dualpipev", "pipedream", "2bw")
+CHUNKED_ONLY = ("dualpipev",)  # no row at V = 1: its timetable is a V of 2K chunks
 MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10", "gpt")
 GPT_FLAGS = tuple(name for name in GPT_SHAPE if name != "vocab_size")  # byte-level: 256
 
@@ -71,11 +73,15 @@ def chunked_rows(method: str, k: int, m: int, virtual_stages) -> list[int]:
     ([2, 3], [])
     >>> chunked_rows("zb", 2, 3, [2, 3]), chunked_rows("gpipe", 2, 4, [2])
     ([2], [])
+    >>> chunked_rows("dualpipev", 2, 4, [2, 3]), chunked_rows("dualpipev", 2, 3, [2])
+    ([2], [])
     """
     if k < 2:
         return []
     if method == "1f1b":
         return [v for v in virtual_stages if m % k == 0]
+    if method == "dualpipev":
+        return [2] if 2 in virtual_stages and m >= 2 * k else []
     return [2] if method == "zb" and 2 in virtual_stages else []
 
 
@@ -90,13 +96,15 @@ def unchunked_rows(method: str, k: int, m: int, virtual_stages, blocks: int) -> 
     # no zb V=2 M=4 row at K=4: 8 chunks, the model has 6 blocks
     # no zb V=3 M=4 row at K=4: ZB-V takes V = 2
     """
-    if k < 2 or method not in ("1f1b", "zb"):
+    if k < 2 or method not in ("1f1b", "zb", "dualpipev"):
         return []
     why = []
     for v in virtual_stages:
         row = f"# no {method} V={v} M={m} row at K={k}: "
-        if method == "zb" and v != 2:
-            why.append(row + "ZB-V takes V = 2")
+        if method in ("zb", "dualpipev") and v != 2:
+            why.append(row + ("ZB-V" if method == "zb" else "DualPipeV") + " takes V = 2")
+        elif method == "dualpipev" and m < 2 * k:
+            why.append(row + "DualPipeV needs M >= 2K")
         elif method == "1f1b" and m % k:
             why.append(row + "interleaved 1F1B needs M a multiple of K")
         elif k * v > blocks:
@@ -206,6 +214,13 @@ def parse_args(argv=None):
     args.methods = [m for m in args.methods.split(",") if m]
     if not args.methods:
         parser.error(f"--methods is empty; name one or more of {', '.join(METHODS)}")
+    chunked_only = [m for m in args.methods if m in CHUNKED_ONLY]
+    if chunked_only and (args.processes or args.against_command):
+        which = "--processes" if args.processes else "--against-command"
+        parser.error(
+            f"{which} times V = 1 rows only, and {chunked_only[0]} runs as a V of 2K chunks; "
+            "time it without that flag"
+        )
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: unknown {unknown[0]!r}; choose from {', '.join(METHODS)}")
@@ -569,7 +584,9 @@ def main(argv=None):
             for method in args.methods:
                 if method in MICROBATCHED:
                     for m in args.microbatches:
-                        add(f"{method} M={m}", k, method=method, microbatches=m, data_parallel=d)
+                        if method not in CHUNKED_ONLY:
+                            name = f"{method} M={m}"
+                            add(name, k, method=method, microbatches=m, data_parallel=d)
                         if d == args.data_parallel[0]:
                             blocks = len(chain.modules)
                             for line in unchunked_rows(method, k, m, args.virtual_stages, blocks):

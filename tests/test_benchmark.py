@@ -152,6 +152,7 @@ def test_the_quick_mode_sets_defaults_that_given_flags_change():
         (["--methods="], "--methods is empty; name one or more of ddg, fdg"),
         (["--against-command", "--stages=2", "--virtual-stages=2"], "times V = 1 rows only"),
         (["--processes=2", "--virtual-stages=3"], "--processes times V = 1 rows only"),
+        (["--processes=2", "--methods=dualpipev"], "dualpipev runs as a V of 2K chunks"),
     ],
 )
 def test_bad_benchmark_flags_are_one_line(flags, message, capsys):
