@@ -242,7 +242,7 @@ class Pipeline:
         """A view of this pipeline whose stage functions are `wrap(k, name, function)`.
 
         The functions are copies that donate no buffers, so a watcher may hold on
-        to their inputs and outputs (see `dgrad.timeline`). The view shares
+        to their inputs and outputs (see `dgrad.measure.timeline`). The view shares
         everything else with this pipeline and takes its states.
 
         >>> import jax.numpy as jnp, optax

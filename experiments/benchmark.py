@@ -4,7 +4,7 @@ with K stages x D replicas.
 
 Every configuration is built and warmed up (compiled, pipeline filled) first; then
 the timed windows go round-robin over the configurations, so each round compares
-them under the same machine load (`dgrad.benchmark`). The table gives medians and
+them under the same machine load (`dgrad.measure.benchmark`). The table gives medians and
 [min-max] over rounds; ratios are per round against fused BP on one device.
 
     python -m experiments.benchmark --quick                  # a minute: ResNet-8, K = 1, 2
@@ -24,8 +24,8 @@ also interleaved with each of `--virtual-stages` (default 2; K*V chunks, where M
 multiple of K) and ZB also as ZB-V where V = 2 is among them (2K chunks in a V);
 DualPipeV (`dualpipev`) runs only as its V (V = 2, M >= 2K);
 every pipelined row gives each device's measured idle share beside the
-ideal bubble (the timetable played with the papers' unit costs, `dgrad.timing`), the
-step time and idle share `dgrad.timing` predicts from the measured cost of each call,
+ideal bubble (the timetable played with the papers' unit costs, `dgrad.measure.timing`), the
+step time and idle share `dgrad.measure.timing` predicts from the measured cost of each call,
 the host's microseconds per dispatched call (stage calls and moves), and the records a
 stage holds at the busiest moment of a step (GPipe: M microbatches, 1F1B: at most K).
 
@@ -34,14 +34,14 @@ replica), which share the machine's cores; on GPUs it uses the real devices.
 With `--processes K` it times FDG (or the first of `--methods`) with K stages
 on K processes pinned to a core each, beside the same pipeline in one process
 and fused BP pinned to one core, and what the moves between the processes
-cost per step (`dgrad.benchmark_across`).
+cost per step (`dgrad.measure.benchmark_across`).
 
 With `--against-command` it times the training command itself (`python -m
 experiments.train` on synthetic images, the same cuts, batch and methods) beside
 the bare engine, in one process on K fake devices and on K processes pinned to a
 core each, in paired rounds: an engine window, the command for `--command-epochs`
 epochs of `--steps` steps (its epochs after the first are timed, evaluation and
-checkpoints apart), another engine window (`dgrad.benchmark_command`).
+checkpoints apart), another engine window (`dgrad.measure.benchmark_command`).
 
 `--model gpt` times a byte-level GPT (`--layers`, `--heads`, `--dim`, `--context`) on
 random token windows; its rows give tokens/s and the model's training FLOP/s (6 x the
@@ -55,7 +55,7 @@ import os
 import platform
 import sys
 
-from dgrad.benchmark_across import GPT_SHAPE, chain_of, example_batch
+from dgrad.measure.benchmark_across import GPT_SHAPE, chain_of, example_batch
 from dgrad.options import MICROBATCHED
 from dgrad.train.cli import OneLineParser
 
@@ -156,7 +156,7 @@ def parse_args(argv=None):
         choices=["steady", "default"],
         default="steady",
         help="steady: fix glibc malloc's thresholds so no case is favoured (default); "
-        "default: glibc's moving thresholds (dgrad.benchmark.steady_allocator)",
+        "default: glibc's moving thresholds (dgrad.measure.benchmark.steady_allocator)",
     )
     parser.add_argument(
         "--processes",
@@ -179,7 +179,7 @@ def parse_args(argv=None):
         "--dispatch-states",
         action="store_true",
         help="also the host's µs per call of each pipeline's step in four states of the "
-        "devices' queues (dgrad.benchmark.dispatch_by_queue)",
+        "devices' queues (dgrad.measure.benchmark.dispatch_by_queue)",
     )
     parser.add_argument(
         "--quick",
@@ -232,7 +232,7 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.against_command:
-        from dgrad.benchmark_command import refusal
+        from dgrad.measure.benchmark_command import refusal
 
         k = args.stages[0] if args.stages and len(args.stages) == 1 else 0  # one K, or none
         refused = refusal(args.model, args.image_size, k, args.command_epochs)
@@ -260,8 +260,8 @@ def parse_args(argv=None):
 
 def _bubble(case) -> str:
     """A pipeline's measured idle % per device, beside the ideal (the timetable with the
-    papers' unit costs, `dgrad.timing`)."""
-    from dgrad import timing
+    papers' unit costs, `dgrad.measure.timing`)."""
+    from dgrad.measure import timing
 
     pipe = case.pipe
     if pipe is None or pipe.options.fused or pipe.num_stages == 1 or not case.device_busy:
@@ -272,7 +272,7 @@ def _bubble(case) -> str:
 
 def _per_call(case) -> str:
     """The host's µs per dispatched call, and the calls and moves of a step."""
-    from dgrad import benchmark as bench
+    from dgrad.measure import benchmark as bench
 
     if case.pipe is None or not getattr(case, "dispatched", None):
         return "-"
@@ -287,8 +287,8 @@ def _per_call(case) -> str:
 
 def _print_dispatch_states(cases) -> None:
     """Each pipeline's host µs per call in the engine's steps beside the same step's calls
-    replayed in four states of the devices' queues (`dgrad.benchmark.dispatch_by_queue`)."""
-    from dgrad import benchmark as bench
+    replayed in four states of the devices' queues (`dgrad.measure.benchmark.dispatch_by_queue`)."""
+    from dgrad.measure import benchmark as bench
 
     pipelines = [c for c in cases if c.num_stages > 1 and getattr(c, "dispatched", None)]
     table = [(c, bench.dispatch_by_queue(c.pipe, c.state, c.batch)) for c in pipelines]
@@ -306,7 +306,7 @@ def _print_dispatch_states(cases) -> None:
 
 
 def _predicted(case, batch_size: int) -> str:
-    """The step ms and idle % `dgrad.timing` predicts from the measured cost of each call
+    """The step ms and idle % `dgrad.measure.timing` predicts from the measured cost of each call
     (medians of the traced window), beside the measured step ms."""
     if case.pipe is None or not getattr(case, "call_costs", None):
         return "- | -"
@@ -317,7 +317,7 @@ def _predicted(case, batch_size: int) -> str:
 
 
 def spec_of(args) -> dict:
-    """What `dgrad.benchmark_across` builds the model and its batch from."""
+    """What `dgrad.measure.benchmark_across` builds the model and its batch from."""
     shape = {name: getattr(args, name) for name in GPT_FLAGS}
     return {
         "model": args.model,
@@ -345,7 +345,8 @@ def serve(argv):
     [--coordinator=... --num_processes=... --process_id=...]`."""
     import json
 
-    from dgrad import benchmark_across, distributed
+    from dgrad.measure import benchmark_across
+    from dgrad.train import distributed
 
     parser = OneLineParser(prog="python -m experiments.benchmark --serve")
     for name in ("--spec", "--coordinator"):
@@ -366,8 +367,8 @@ def across(args):
     """`--processes K`: the pipeline across processes beside one process and fused BP."""
     import numpy as np
 
-    from dgrad import balance, benchmark_across
-    from dgrad import benchmark as bench
+    from dgrad.measure import balance, benchmark_across
+    from dgrad.measure import benchmark as bench
 
     k = args.processes
     chain = blocks_of(args)
@@ -429,11 +430,11 @@ def across(args):
 
 def against_command(args):
     """`--against-command`: the training command's steady epochs beside the engine's
-    windows, paired by rounds (`dgrad.benchmark_command`)."""
+    windows, paired by rounds (`dgrad.measure.benchmark_command`)."""
     import numpy as np
 
-    from dgrad import benchmark as bench
-    from dgrad import benchmark_command
+    from dgrad.measure import benchmark as bench
+    from dgrad.measure import benchmark_command
 
     (k,) = args.stages
     chain = blocks_of(args)
@@ -472,7 +473,8 @@ def against_command(args):
 def cuts_for(args, chain, costs, k: int) -> list[int]:
     """Where `--split` cuts the model's blocks (`costs` each) into `k` stages; a split
     the model does not have is one line and exit 2."""
-    from dgrad import balance, models
+    from dgrad import models
+    from dgrad.measure import balance
 
     split = balance.balanced_cuts(costs, k) if args.split == "profiled" else args.split
     try:
@@ -495,7 +497,7 @@ def main(argv=None):
         return across(args)
     if args.against_command:
         return against_command(args)
-    from dgrad.benchmark import steady_allocator
+    from dgrad.measure.benchmark import steady_allocator
 
     steady = args.allocator == "steady" and steady_allocator()  # before JAX allocates
     import jax
@@ -507,9 +509,10 @@ def main(argv=None):
     import optax
 
     import dgrad
-    from dgrad import balance, models, timing
-    from dgrad import benchmark as bench
-    from dgrad.timeline import Timeline
+    from dgrad import models
+    from dgrad.measure import balance, timing
+    from dgrad.measure import benchmark as bench
+    from dgrad.measure.timeline import Timeline
 
     devices = jax.devices()
     ks = args.stages or list(range(1, min(4, len(devices)) + 1))

@@ -14,7 +14,7 @@ failed otherwise. The exit status is 1 if any run did not finish.
 import pathlib
 import sys
 
-from dgrad import stress
+from dgrad.measure import stress
 from dgrad.train.cli import OneLineParser
 
 

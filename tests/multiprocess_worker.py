@@ -22,7 +22,7 @@ def main():
     parser.add_argument("--method", default="fdg")
     args = parser.parse_args()
 
-    from dgrad import distributed
+    from dgrad.train import distributed
 
     distributed.initialize(
         args.coordinator, args.num_processes, args.process_id, cpu_devices=args.cpu_devices

@@ -1,9 +1,10 @@
-"""dgrad.balance: block profiling, the balanced cut and the speedup ceiling."""
+"""dgrad.measure.balance: block profiling, the balanced cut and the speedup ceiling."""
 
 import jax.numpy as jnp
 import pytest
 
-from dgrad import balance, models
+from dgrad import models
+from dgrad.measure import balance
 
 
 def test_profile_blocks_finds_the_heavy_block_and_the_ceiling_it_leaves():

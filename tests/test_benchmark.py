@@ -1,5 +1,6 @@
-"""dgrad.benchmark and experiments/benchmark.py: the memory of the policies, the plain floor, the
-quick mode and its flags, the benchmark across processes and the GPT's rows."""
+"""dgrad.measure.benchmark and experiments/benchmark.py: the memory of the policies, the
+plain floor, the quick mode and its flags, the benchmark across processes and the GPT's
+rows."""
 
 import os
 import re
@@ -16,8 +17,9 @@ from helpers import ROOT, assert_equal
 from processes import run_command
 
 import dgrad
-from dgrad import benchmark, benchmark_command, models
-from dgrad.benchmark import state_bytes_per_device
+from dgrad import models
+from dgrad.measure import benchmark, benchmark_command
+from dgrad.measure.benchmark import state_bytes_per_device
 
 
 def _kept_bytes(depth, weights, memory):

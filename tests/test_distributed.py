@@ -1,4 +1,4 @@
-"""dgrad.distributed: several processes under jax.distributed (gloo), 2 processes x 2 fake
+"""dgrad.train.distributed: several processes under jax.distributed (gloo), 2 processes x 2 fake
 devices in the two layouts: every process holding every stage, and stage k on process k.
 They give the numbers of one process, move checkpoints between process counts, go down
 together when one dies, and stop on the same step.
@@ -22,9 +22,9 @@ import pytest
 from helpers import ROOT, SMOOTH_OPTIMIZER, assert_close, batches, build_pipeline
 from processes import kill_tree, run_command
 
-from dgrad.distributed import launch_local
 from dgrad.train import metrics
 from dgrad.train.checkpoint import Checkpointer
+from dgrad.train.distributed import launch_local
 
 pytestmark = pytest.mark.processes
 

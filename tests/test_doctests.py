@@ -16,6 +16,7 @@ ALL_MODULES = ["dgrad"] + sorted(
 MODULES = [name for name in ALL_MODULES if name != "dgrad"]
 WITHOUT_EXAMPLES = {
     "dgrad.models",  # only imports: the examples are in its modules
+    "dgrad.measure",  # only its modules' list: the examples are in its modules
     "dgrad.train",  # only re-exports: `train`'s examples are in dgrad.train.experiment
     "dgrad.train.config",  # only re-exports: the examples are in its modules
 }
@@ -24,14 +25,14 @@ WITHOUT_EXAMPLES = {
 # name defined in it. Keep this short; each entry says why.
 ALLOWED_WITHOUT_EXAMPLE: set[str] = {
     # start four processes: tests/test_benchmark.py runs them
-    "dgrad.benchmark_across.compare",
-    "dgrad.benchmark_command.compare",
+    "dgrad.measure.benchmark_across.compare",
+    "dgrad.measure.benchmark_command.compare",
     # each needs a started worker process: the class's example calls them
-    "dgrad.benchmark_across.Group.window",
-    "dgrad.benchmark_across.Group.moves",
-    "dgrad.benchmark_across.Group.close",
+    "dgrad.measure.benchmark_across.Group.window",
+    "dgrad.measure.benchmark_across.Group.moves",
+    "dgrad.measure.benchmark_across.Group.close",
     # records with nothing to compute; the example of the function named makes them
-    "dgrad.benchmark_command.Measured",  # compare (tests/test_benchmark.py)
+    "dgrad.measure.benchmark_command.Measured",  # compare (tests/test_benchmark.py)
     "dgrad.data.text.Corpus",  # stdlib_corpus
     "dgrad.train.config.runs.Run",  # runs_of
     "dgrad.train.loop.RunContext",  # train_run
@@ -46,10 +47,10 @@ def test_every_module_is_listed():
 # Modules whose examples train, start processes or build the GPT: the full suite runs
 # them, the fast subset (-m "not slow") does not.
 SLOW_EXAMPLES = {
-    "dgrad.benchmark_across",
-    "dgrad.benchmark_command",
+    "dgrad.measure.benchmark_across",
+    "dgrad.measure.benchmark_command",
     "dgrad.models.gpt",
-    "dgrad.stress",
+    "dgrad.measure.stress",
     "dgrad.train.experiment",
 }
 

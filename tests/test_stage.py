@@ -7,7 +7,7 @@ import pytest
 from helpers import batches, run_pipeline
 
 import dgrad
-from dgrad.benchmark import state_bytes_per_device
+from dgrad.measure.benchmark import state_bytes_per_device
 from dgrad.stage import ResidualLayout, StageFunctions, shape_dtype
 
 SLOW = pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 from helpers import ROOT
 from processes import run_command
 
-from dgrad.stress import LAYOUTS
+from dgrad.measure.stress import LAYOUTS
 
 pytestmark = pytest.mark.processes
 

@@ -1,4 +1,4 @@
-"""dgrad.timeline: which stage function ran when, on which device, for which batch."""
+"""dgrad.measure.timeline: which stage function ran when, on which device, for which batch."""
 
 import json
 
@@ -10,7 +10,7 @@ from helpers import assert_equal
 
 import dgrad
 from dgrad import models
-from dgrad.timeline import Timeline
+from dgrad.measure.timeline import Timeline
 
 
 def test_timeline_watches_from_outside_without_changing_numbers(tmp_path):

@@ -6,9 +6,9 @@ import pytest
 from helpers import batches, build_pipeline
 
 from dgrad import schedule as sched
+from dgrad.measure.timeline import Event
+from dgrad.measure.timing import UNIT_COSTS, costs_of, every_stage, simulate
 from dgrad.schedule import Schedule
-from dgrad.timeline import Event
-from dgrad.timing import UNIT_COSTS, costs_of, every_stage, simulate
 
 
 @pytest.mark.parametrize("K,M", [(2, 4), (4, 8), (3, 5), (8, 32)])

@@ -20,7 +20,7 @@ import pytest
 from helpers import ROOT
 from processes import descendants, kill_tree, outliving, run_command
 
-from dgrad.distributed import launch_local
+from dgrad.train.distributed import launch_local
 from dgrad.train.watchdog import STALLED, TEST_STALL_ENV
 
 TRAIN = [sys.executable, "-m", "experiments.train"]
@@ -214,7 +214,7 @@ def test_a_signalled_run_that_steps_on_and_then_sticks_stops_within_the_grace():
 LEFT_ALONE = """
 import os, sys, time
 import jax
-from dgrad import distributed
+from dgrad.train import distributed
 
 distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), cpu_devices=1)
 jax.devices()  # every process takes part in starting the backend
@@ -229,7 +229,7 @@ raise SystemExit(3)  # JAX's shutdown at exit now waits for process 1 at its bar
 @pytest.mark.processes
 @pytest.mark.slow
 def test_a_failed_process_leaves_within_its_bound_when_a_peer_is_gone():
-    from dgrad.distributed import free_port
+    from dgrad.train.distributed import free_port
 
     coordinator = f"127.0.0.1:{free_port()}"
     peers = [

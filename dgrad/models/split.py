@@ -163,7 +163,7 @@ class Blocks:
     Attributes:
       modules: the blocks, each an NNX module whose output feeds the next.
       costs: an estimate of each block's work (multiply-adds), for balancing;
-        `dgrad.balance.profile_blocks` measures real times instead.
+        `dgrad.measure.balance.profile_blocks` measures real times instead.
       authors: the papers' cut positions by number of stages.
       name: the model's name, for error messages.
 

@@ -62,7 +62,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from dgrad import distributed, placement
+from dgrad import placement
+from dgrad.train import distributed
 
 if TYPE_CHECKING:
     from dgrad.state import PipelineState
@@ -438,7 +439,7 @@ _RESTORES = itertools.count()  # calls so far; every process makes them in the s
 def _first_failure(failure: str | None, timeout_s: float = 3600.0) -> str | None:
     """The failure of the lowest process whose part failed (None: every part restored),
     the same on every process, which waits for all of them to say (through the
-    `jax.distributed` key-value store, as `dgrad.distributed.StopVote`).
+    `jax.distributed` key-value store, as `dgrad.train.distributed.StopVote`).
 
     >>> _first_failure("its meta: JSONDecodeError"), _first_failure(None)  # one process
     ('its meta: JSONDecodeError', None)

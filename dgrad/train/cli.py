@@ -237,7 +237,7 @@ def main(
 
 
 def _run(args, config, name: str, stop: StopRequests) -> int:
-    from dgrad import distributed
+    from dgrad.train import distributed
 
     try:
         distributed.initialize(

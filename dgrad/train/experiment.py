@@ -241,8 +241,7 @@ def _claim(plan, config, dataset, extend: bool, context: contextlib.ExitStack):
     is now and writes `config.json`); every process refuses alike what process 0 refused."""
     import jax
 
-    from dgrad import distributed
-    from dgrad.train import workdir
+    from dgrad.train import distributed, workdir
 
     problem = None
     if jax.process_index() == 0:

@@ -22,7 +22,6 @@ import jax
 import ml_collections
 
 from dgrad import data
-from dgrad.distributed import StopVote
 from dgrad.pipeline import Pipeline
 from dgrad.placement import share
 from dgrad.state import PipelineState
@@ -30,6 +29,7 @@ from dgrad.train import config as fields
 from dgrad.train import export, metrics
 from dgrad.train.checkpoint import Checkpointer, Unrestorable
 from dgrad.train.config import Run
+from dgrad.train.distributed import StopVote
 from dgrad.train.evaluate import Limited, evaluate
 from dgrad.train.progress import Progress
 from dgrad.train.signals import Stopped, StopRequests

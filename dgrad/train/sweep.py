@@ -36,10 +36,10 @@ from typing import Any, NamedTuple, Sequence
 import ml_collections
 import numpy as np
 
-from dgrad.distributed import child_options
 from dgrad.train import config as fields
 from dgrad.train import metrics
 from dgrad.train.config import files as config_files
+from dgrad.train.distributed import child_options
 
 SWEEP_FILE = "sweep.json"
 

@@ -5,7 +5,7 @@ Each case runs in processes of its own that wait for orders on stdin: `Group`
 starts them (under `jax.distributed` when there are several) and `Group.window`
 has them all train `steps` steps and report how long they took. The rounds go
 case by case, so every case is timed under the same machine load, as
-`dgrad.benchmark.measure` does inside one process. A process may be pinned to
+`dgrad.measure.benchmark.measure` does inside one process. A process may be pinned to
 one core (`os.sched_setaffinity`): on a CPU-only machine, one core per stage
 stands for the papers' one accelerator per module.
 
@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dgrad.distributed import child_options, free_port
+from dgrad.train.distributed import child_options, free_port
 
 WORKER = [sys.executable, "-m", "experiments.benchmark", "--serve"]
 

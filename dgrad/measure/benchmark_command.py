@@ -2,7 +2,7 @@
 
 A user sees `python -m experiments.train`, not the benchmark. Here the same pipeline
 (model, cuts, batch, method, microbatches) is timed both ways under one machine load:
-every round times the bare engine (`dgrad.benchmark_across.Group`: one fixed batch,
+every round times the bare engine (`dgrad.measure.benchmark_across.Group`: one fixed batch,
 nothing but `Pipeline.step`), then runs the training command for a few epochs in a
 fresh work directory, then times the engine again. The command's rate is each epoch
 after the first (its `train_seconds`; evaluation and checkpoint seconds are reported
@@ -28,8 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dgrad.benchmark_across import Group
-from dgrad.distributed import child_options, launch_local
+from dgrad.measure.benchmark_across import Group
+from dgrad.train.distributed import child_options, launch_local
 
 TRAIN = [sys.executable, "-m", "experiments.train"]
 

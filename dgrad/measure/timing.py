@@ -8,7 +8,7 @@ exist, moved in `move` seconds where they cross devices. `simulate` plays a
 seconds per step, and each device's idle share. With the papers' unit costs (a
 forward 1, a backward 2, zero-bubble's B and W 1 each, nothing else) it gives a
 timetable's ideal bubble; fed costs measured on a device (`costs_of`, from a
-`dgrad.timeline.Timeline`) it predicts the configuration they were measured on, beside
+`dgrad.measure.timeline.Timeline`) it predicts the configuration they were measured on, beside
 its measured step; fed a cost for each function on every stage (`every_stage` carries
 measured costs over to other K, M and V), any configuration on that device.
 
@@ -171,7 +171,7 @@ def simulate(
 def costs_of(events) -> dict[tuple[int, str], float]:
     """The median seconds of each (stage, function) in `events` (a `Timeline`'s).
 
-    >>> from dgrad.timeline import Event
+    >>> from dgrad.measure.timeline import Event
     >>> events = [Event(0, 1, "forward", s, 0.0, d) for s, d in enumerate([0.2, 0.1, 0.3])]
     >>> costs_of(events)
     {(1, 'forward'): 0.2}
