@@ -403,7 +403,9 @@ def across(args):
     label = method + "".join(f" M={m}" for m in options.values())
     print(f"# {args.model}, batch {args.batch_size}: {label} K={k}, cuts {list(cuts)}")
     print(f"# predicted ceiling (sum of stage costs / slowest stage): {ceiling:.2f}x")
-    rates = benchmark_across.compare(spec, k, windows=args.windows, steps=args.steps)
+    rates = benchmark_across.compare_across_processes(
+        spec, k, windows=args.windows, steps=args.steps
+    )
     moves = rates.pop("moves ms/step")
     base = np.array(rates["bp fused, pinned"])
     print()
@@ -441,7 +443,7 @@ def against_command(args):
     cuts = cuts_for(args, chain, chain.costs, k)
     spec = {**spec_of(args), "stages": k, "cuts": list(cuts), "split": args.split}
     cases = [
-        benchmark_command.Case(method, m)
+        benchmark_command.Method(method, m)
         for method in args.methods
         for m in (args.microbatches if method in MICROBATCHED else [1])
     ]
@@ -450,7 +452,7 @@ def against_command(args):
         f"rounds; an engine window of {args.steps} steps, the command for "
         f"{args.command_epochs} epochs of {args.steps} steps, an engine window"
     )
-    measured = benchmark_command.compare(
+    measured = benchmark_command.compare_with_command(
         spec, cases, rounds=args.windows, epochs=args.command_epochs, steps=args.steps
     )
     print()

@@ -25,14 +25,14 @@ WITHOUT_EXAMPLES = {
 # name defined in it. Keep this short; each entry says why.
 ALLOWED_WITHOUT_EXAMPLE: set[str] = {
     # start four processes: tests/test_benchmark.py runs them
-    "dgrad.measure.benchmark_across.compare",
-    "dgrad.measure.benchmark_command.compare",
+    "dgrad.measure.benchmark_across.compare_across_processes",
+    "dgrad.measure.benchmark_command.compare_with_command",
     # each needs a started worker process: the class's example calls them
     "dgrad.measure.benchmark_across.Group.window",
     "dgrad.measure.benchmark_across.Group.moves",
     "dgrad.measure.benchmark_across.Group.close",
     # records with nothing to compute; the example of the function named makes them
-    "dgrad.measure.benchmark_command.Measured",  # compare (tests/test_benchmark.py)
+    "dgrad.measure.benchmark_command.Measured",  # compare_with_command (test_benchmark)
     "dgrad.data.text.Corpus",  # stdlib_corpus
     "dgrad.train.config.runs.Run",  # runs_of
     "dgrad.train.loop.RunContext",  # train_run

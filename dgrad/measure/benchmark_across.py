@@ -261,7 +261,7 @@ def pin_and_join(pin: int | None, join) -> None:
     join()
 
 
-def compare(
+def compare_across_processes(
     spec: dict, num_stages: int, *, windows: int, steps: int, out=None
 ) -> dict[str, list[float]]:
     """Fused BP pinned to one core, the pipeline in one process on `num_stages` fake devices

@@ -11,7 +11,7 @@ apart), and its ratio in a round is over the mean of the two engine windows arou
 A layout is one process on K fake devices, or K processes pinned to a core each
 (stage k on process k, under `jax.distributed`), for both sides alike.
 
->>> [case.name for case in (Case("fdg"), Case("1f1b", microbatches=4))]
+>>> [method.name for method in (Method("fdg"), Method("1f1b", microbatches=4))]
 ['fdg', '1f1b M=4']
 """
 
@@ -35,13 +35,13 @@ TRAIN = [sys.executable, "-m", "experiments.train"]
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
+class Method:
     """A method (and its microbatches) timed on both sides.
 
-    >>> case = Case("1f1b", microbatches=4)
-    >>> case.name, case.options
+    >>> method = Method("1f1b", microbatches=4)
+    >>> method.name, method.options
     ('1f1b M=4', {'microbatches': 4})
-    >>> Case("fdg").options
+    >>> Method("fdg").options
     {}
     """
 
@@ -104,13 +104,13 @@ def refusal(model: str, image_size: int, num_stages: int, epochs: int) -> str | 
     return None
 
 
-def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examples: int):
-    """The training command's flags for the benchmark's ResNet `spec` and `case`: synthetic
+def command_flags(spec: dict, method: Method, *, epochs: int, steps: int, eval_examples: int):
+    """The training command's flags for the benchmark's ResNet `spec` and `method`: synthetic
     32px images, cut by `spec["split"]` (default balanced) as the engine's side is, no
     baseline beside the method.
 
     >>> spec = {"model": "resnet20", "width": 16, "batch_size": 64, "stages": 2}
-    >>> flags = command_flags(spec, Case("1f1b", 4), epochs=3, steps=40, eval_examples=256)
+    >>> flags = command_flags(spec, Method("1f1b", 4), epochs=3, steps=40, eval_examples=256)
     >>> [f for f in flags if "depth" in f or "microbatches" in f]
     ['--config.model.depth=20', '--config.microbatches=4']
     """
@@ -124,7 +124,7 @@ def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examp
         f"--config.model.depth={int(model[len('resnet') :])}",
         f"--config.model.width={spec.get('width', 16)}",
         f"--config.split={spec.get('split', 'balanced')}",
-        f"--config.method={case.method}",
+        f"--config.method={method.method}",
         f"--config.num_stages={spec['stages']}",
         "--config.baseline=",
         f"--config.batch_size={spec['batch_size']}",
@@ -132,7 +132,7 @@ def command_flags(spec: dict, case: Case, *, epochs: int, steps: int, eval_examp
         f"--config.steps_per_epoch={steps}",
         f"--config.eval_examples={eval_examples}",
         f"--config.eval_batch_size={min(eval_examples, 256)}",
-    ] + ([f"--config.microbatches={case.microbatches}"] if case.microbatches > 1 else [])
+    ] + ([f"--config.microbatches={method.microbatches}"] if method.microbatches > 1 else [])
 
 
 def run_command(
@@ -203,9 +203,9 @@ class Measured:
     checkpoint_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
-def compare(
+def compare_with_command(
     spec: dict,
-    cases: Sequence[Case],
+    methods: Sequence[Method],
     *,
     rounds: int,
     epochs: int,
@@ -213,9 +213,9 @@ def compare(
     eval_examples: int = 256,
     out=None,
 ) -> dict[tuple[str, str], Measured]:
-    """Times every case in every layout of `spec["stages"]` stages, round by round: an
+    """Times every method in every layout of `spec["stages"]` stages, round by round: an
     engine window of `steps` steps, the training command for `epochs` epochs of `steps`
-    steps, another engine window. Returns what was measured by (case, layout) name. It
+    steps, another engine window. Returns what was measured by (method, layout) name. It
     starts many processes, so its example is a test (tests/test_benchmark.py)."""
     out = out or sys.stdout
     refused = refusal(spec["model"], spec.get("image_size", 32), spec["stages"], epochs)
@@ -225,34 +225,34 @@ def compare(
     groups: dict[tuple[str, str], Group] = {}
     measured = {}
     try:
-        for case in cases:
+        for method in methods:
             for layout in layouts:
-                key = (case.name, layout.name)
-                out.write(f"# starting the engine's {case.name}, {layout.name}\n")
+                key = (method.name, layout.name)
+                out.write(f"# starting the engine's {method.name}, {layout.name}\n")
                 out.flush()
                 groups[key] = Group(
-                    f"{case.name}, {layout.name}",
-                    {**spec, "method": case.method, "fused": False, "options": case.options},
+                    f"{method.name}, {layout.name}",
+                    {**spec, "method": method.method, "fused": False, "options": method.options},
                     processes=layout.processes,
                     devices=layout.devices,
                     pins=layout.pins,
                 )
                 measured[key] = Measured()
         flags = {
-            case.name: command_flags(
-                spec, case, epochs=epochs, steps=steps, eval_examples=eval_examples
+            method.name: command_flags(
+                spec, method, epochs=epochs, steps=steps, eval_examples=eval_examples
             )
-            for case in cases
+            for method in methods
         }
         batch = spec["batch_size"]
         for round_ in range(rounds):
-            for case in cases:
+            for method in methods:
                 for layout in layouts:
-                    key = (case.name, layout.name)
+                    key = (method.name, layout.name)
                     found = measured[key]
                     before = batch * steps / groups[key].window(steps)
                     with tempfile.TemporaryDirectory(prefix="dgrad-command-") as workdir:
-                        epochs_run = run_command(flags[case.name], layout, workdir)
+                        epochs_run = run_command(flags[method.name], layout, workdir)
                     after = batch * steps / groups[key].window(steps)
                     steady = [r for r in epochs_run if r["epoch"] >= 2]
                     rates = [batch * steps / r["train_seconds"] for r in steady]
@@ -262,7 +262,7 @@ def compare(
                     found.eval_seconds += [r["eval_seconds"] for r in steady]
                     found.checkpoint_seconds += [r["checkpoint_seconds"] for r in steady]
                     out.write(
-                        f"# round {round_ + 1}: {case.name}, {layout.name}: engine "
+                        f"# round {round_ + 1}: {method.name}, {layout.name}: engine "
                         f"{before:.1f} / {after:.1f}, command "
                         + " ".join(f"{r:.1f}" for r in rates)
                         + " samples/s\n"
