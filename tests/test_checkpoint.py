@@ -10,7 +10,6 @@ import jax
 import pytest
 from damage import DAMAGES, damage
 from helpers import (
-    SMOOTH_OPTIMIZER,
     assert_close,
     assert_equal,
     batches,
@@ -21,7 +20,7 @@ from helpers import (
 
 import dgrad
 from dgrad.options import MICROBATCHED
-from dgrad.train.checkpoint import Checkpointer, Unrestorable
+from dgrad.train.checkpoint import FORMAT, Checkpointer, OtherFormat, Unrestorable
 
 STEPS, SAVE_AT = 11, 5
 
@@ -131,72 +130,56 @@ def test_resume_with_another_number_of_replicas(tmp_path, model, saved_with, res
     assert_close(run(fresh, state, data[SAVE_AT:]), uninterrupted, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
-def test_resumes_a_checkpoint_written_when_weights_were_nnx_variables(tmp_path):
-    """Until 60ad569 a state held `nnx.Variable`s, whose arrays a checkpoint keeps one
-    level deeper (under `value`); such a run resumes where it stopped."""
+def test_a_checkpoint_of_the_format_before_is_refused_in_one_line(tmp_path):
+    """A checkpoint written before the format was (format 1: dgrad 0.2.0, its weights under
+    `nnx.Variable`'s `value`) is refused before any array is read, naming its format and
+    what to do; every checkpoint written now names format 2."""
     written = pathlib.Path(__file__).parent / "data" / "checkpoint_with_variables"
-    shutil.copytree(written, tmp_path / "run")
-    options = dict(method="fdg", beta=0.7, optimizer=SMOOTH_OPTIMIZER)
-    data = batches("cnn", STEPS)
-    pipe = build_pipeline("cnn", 2, devices=jax.devices()[:2], **options)
-    uninterrupted = run(pipe, pipe.init(data[0]), data)
-    fresh = build_pipeline("cnn", 2, devices=jax.devices()[2:4], **options)
-    state = restored(tmp_path / "run", fresh, data)
-    assert [len(s.kept) for s in state.stages] == [2, 0] and state.activations[1].batch == 4
-    assert_close(run(fresh, state, data[SAVE_AT:]), uninterrupted, rtol=1e-4, atol=1e-5)
+    shutil.copytree(written, tmp_path / "old")
+    pipe = build_pipeline("cnn", 2, devices=jax.devices()[:2], method="fdg", beta=0.7)
+    data = batches("cnn", 1)
+    pipe.init(data[0])
+    with (
+        Checkpointer(tmp_path / "old") as checkpoints,
+        pytest.raises(OtherFormat) as refused,
+    ):
+        checkpoints.restore(pipe)
+    assert str(refused.value) == (
+        f"The checkpoint at step 5 in {tmp_path / 'old'} is of format 1 (written by dgrad "
+        "0.2.0 or before); this dgrad reads format 2 only: resume it with the dgrad that "
+        "wrote it, or train the experiment again in a new --workdir."
+    )
+    with Checkpointer(tmp_path / "new") as checkpoints:
+        checkpoints.save(pipe.init(data[0]))
+        assert checkpoints.meta()["format"] == FORMAT == 2
+        checkpoints.restore(pipe)  # the control: today's format restores
 
 
-def test_resumes_a_checkpoint_whose_records_stashed_weights_nothing_reads(tmp_path):
-    """Until the records kept only weights that an update reads, every record stashed
-    its forward's weights; such a checkpoint resumes, drops them and continues exactly."""
-    data = batches("mlp", STEPS)
-    pipe = build_pipeline("mlp", 3, devices=jax.devices()[:3], method="fdg")
-    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
-
-    def stashing(stage):  # weights unlike any the run holds, so a mix-up would show
-        weights = jax.tree.map(lambda w: w + 1.0, stage.params)
-        return stage.replace(kept=tuple(r.replace(params=weights) for r in stage.kept))
-
-    with Checkpointer(tmp_path) as checkpoints:
-        checkpoints.save(
-            state.replace(stages=tuple(map(stashing, state.stages))), {"note": "mid-run"}
-        )
-    uninterrupted = jax.device_get(run(pipe, state, data[SAVE_AT:]))
-    fresh = build_pipeline("mlp", 3, devices=jax.devices()[3:], method="fdg")
-    resumed = restored(tmp_path, fresh, data)
-    assert [len(s.kept) for s in resumed.stages] == [4, 2, 0]
-    assert all(r.params is None for s in resumed.stages for r in s.kept)
-    assert_equal(run(fresh, resumed, data[SAVE_AT:]), uninterrupted)
-
-
-def test_resumes_a_checkpoint_whose_records_hold_each_vjp_leaf_apart(tmp_path):
-    """Until records packed the VJP's small arrays (dgrad.stage.ResidualLayout), a record
-    held every leaf apart; such a checkpoint resumes, packs them and continues exactly."""
-    data = batches("cnn", STEPS)
-    pipe = build_pipeline("cnn", 2, devices=jax.devices()[:2], method="fdg")
-    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
+@pytest.mark.parametrize("extra", ["stashed weights", "a vjp's leaves apart"])
+def test_records_of_another_layout_are_refused_in_one_line(tmp_path, extra):
+    """A record holding arrays today's state does not (weights nothing reads, a VJP's
+    leaves kept apart where today packs them) does not restore: one line names the first."""
+    model = "mlp" if extra == "stashed weights" else "cnn"
+    data = batches(model, SAVE_AT)
+    pipe = build_pipeline(model, 2, devices=jax.devices()[:2], method="fdg")
+    state = run(pipe, pipe.init(data[0]), data)
     layout = pipe.specs[0].residual_layout
-    assert layout.packed  # BatchNorm's statistics and scales: packed today
 
-    def apart(stage):
-        return stage.replace(
-            kept=tuple(
-                r.replace(residuals=jax.tree.leaves(layout.unpack(r.residuals))) for r in stage.kept
-            )
-        )
+    def changed(record):
+        if extra == "stashed weights":
+            return record.replace(params=state.stages[0].params)
+        return record.replace(residuals=jax.tree.leaves(layout.unpack(record.residuals)))
 
-    old = state.replace(stages=(apart(state.stages[0]), state.stages[1]))
-    assert len(old.stages[0].kept[0].residuals) == layout.num_leaves
+    first = state.stages[0]
+    old = state.replace(
+        stages=(first.replace(kept=tuple(map(changed, first.kept))), *state.stages[1:])
+    )
     with Checkpointer(tmp_path) as checkpoints:
-        checkpoints.save(old, {"note": "mid-run"})
-    uninterrupted = jax.device_get(run(pipe, state, data[SAVE_AT:]))
-    fresh = build_pipeline("cnn", 2, devices=jax.devices()[2:4], method="fdg")
-    resumed = restored(tmp_path, fresh, data)
-    assert [len(r.residuals) for r in resumed.stages[0].kept] == [
-        layout.num_leaves - len(layout.packed) + 1
-    ] * 2
-    assert_equal(run(fresh, resumed, data[SAVE_AT:]), uninterrupted)
+        checkpoints.save(old)
+        with pytest.raises(Unrestorable, match="holds stages/0/kept/0/.* beyond this pipeline"):
+            checkpoints.restore(pipe)
+        checkpoints.save(state.replace(step=state.step + 1))
+        checkpoints.restore(pipe)  # the control: the same state as it is restores
 
 
 def test_a_pipeline_that_keeps_weights_refuses_records_without_them(tmp_path):

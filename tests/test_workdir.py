@@ -1,7 +1,6 @@
 """The workdir's rules (dgrad.train.workdir): one command at a time, a workdir of another
 experiment refused before anything is written, starting, stopping and extending."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -13,7 +12,6 @@ from processes import run_command
 from training import quiet, small_config, stop_at_call
 
 from dgrad.train import SetupError, Stopped, StopRequests, build, metrics, train, workdir
-from dgrad.train import config as fields
 from dgrad.train.cli import load_config
 
 
@@ -158,26 +156,6 @@ def test_a_workdir_trained_on_another_corpus_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_baseline_saved_as_one_stage_while_clipping_is_refused_in_one_line(tmp_path, monkeypatch):
-    """Before clipping was per stage in the fused baseline too, its run was one stage."""
-    config = small_config(num_epochs=1, baseline="bp")
-    config.optimizer.clip_norm = 1.0
-    cut = fields.runs_of
-
-    def as_before(config):
-        return [
-            run if not run.fused else dataclasses.replace(run, num_stages=1) for run in cut(config)
-        ]
-
-    monkeypatch.setattr(fields, "runs_of", as_before)
-    train(config, tmp_path, log=quiet)
-    monkeypatch.setattr(fields, "runs_of", cut)
-    config.num_epochs = 2
-    with pytest.raises(SetupError, match="saved as one stage.*in a new --workdir"):
-        train(config, tmp_path, log=quiet, extend=True)
-
-
-@pytest.mark.slow
 def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
     config = small_config(num_epochs=1)
     train(config, tmp_path / "short", log=quiet)
@@ -230,3 +208,27 @@ def test_an_extension_that_was_stopped_resumes(tmp_path):
     epochs = metrics.read(tmp_path / "fdg_k2" / "metrics.jsonl", "epoch")
     assert [r["epoch"] for r in epochs] == [1, 2, 3]
     train(small_config(num_epochs=3), tmp_path, log=quiet)  # and without --extend: finished
+
+
+def test_a_run_whose_checkpoints_are_of_the_format_before_is_refused_and_left_as_it_was(
+    tmp_path, monkeypatch
+):
+    """A stopped run whose checkpoints are of format 1 (their meta names none) is not
+    resumed: one line names the format and what to do, and nothing in the workdir changes."""
+    undo = stop_at_call(monkeypatch, 7)
+    with pytest.raises(Stopped):
+        train(small_config(num_epochs=1), tmp_path, log=quiet)
+    undo()
+    for meta in tmp_path.glob("*/checkpoints/*/meta/metadata"):
+        written = json.loads(meta.read_text())
+        meta.write_text(
+            json.dumps({k: v for k, v in written.items() if k not in ("format", "dgrad")})
+        )
+
+    def snapshot():
+        return {p: p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+
+    before = snapshot()
+    with pytest.raises(SetupError, match=r"is of format 1 \(written by dgrad 0.2.0 or before\)"):
+        train(small_config(num_epochs=1), tmp_path, log=quiet)
+    assert snapshot() == before

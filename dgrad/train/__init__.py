@@ -15,9 +15,6 @@ from dgrad.train.signals import Stopped, StopRequests
 __all__ = ["SetupError", "Stopped", "StopRequests", "WorkdirError", "train"]
 
 
-_MOVED = {"recipes": "dgrad.train.config.recipes", "config_files": "dgrad.train.config.files"}
-
-
 def __getattr__(name: str):
     if name == "WorkdirError":
         from dgrad.train.workdir import WorkdirError
@@ -27,8 +24,4 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(f"dgrad.train.{name}")
-    if name in _MOVED:  # where config files written before dgrad.train.config took them import
-        import importlib
-
-        return importlib.import_module(_MOVED[name])
     raise AttributeError(f"module 'dgrad.train' has no attribute {name!r}")

@@ -23,7 +23,9 @@ killed while a checkpoint is written resumes from the last complete one (and
 the same step saved again replaces the leftover). A checkpoint that does not
 restore (a file of it damaged or missing, or a state of another structure)
 raises `Unrestorable`, one line naming it and what failed; `set_aside` moves
-it where orbax does not look.
+it where orbax does not look. Every checkpoint names its format (`FORMAT`) in its
+meta; one of another format raises `OtherFormat`, one line that says which
+dgrad reads it.
 
 Under several processes every process calls `save`, `restore` and `set_aside`;
 each writes and reads its own shards, and none may have a collective in flight
@@ -62,6 +64,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+import dgrad
 from dgrad import placement
 from dgrad.train import distributed
 
@@ -69,6 +72,28 @@ if TYPE_CHECKING:
     from dgrad.state import PipelineState
 
 DAMAGED = "damaged"  # the folder beside the checkpoints where `set_aside` moves one
+# What a checkpoint holds and how: 2 since the format was written down (the state's arrays
+# as today's PipelineState lays them out); 1 is every checkpoint without one (dgrad 0.2.0
+# and before: weights under nnx.Variable's `value`, records stashing every weight, a VJP's
+# leaves kept apart).
+FORMAT = 2
+
+
+class OtherFormat(ValueError):
+    """Checkpoint `step` in `directory` is of a format this dgrad does not read.
+
+    >>> print(OtherFormat(8, "/runs/a/checkpoints", {"step": 8}))
+    The checkpoint at step 8 in /runs/a/checkpoints is of format 1 (written by dgrad 0.2.0 ...
+    """
+
+    def __init__(self, step: int, directory: str, meta: dict[str, Any]):
+        found = meta.get("format", 1)
+        by = f"dgrad {meta['dgrad']}" if "dgrad" in meta else "dgrad 0.2.0 or before"
+        super().__init__(
+            f"The checkpoint at step {step} in {directory} is of format {found} (written by "
+            f"{by}); this dgrad reads format {FORMAT} only: resume it with the dgrad that "
+            "wrote it, or train the experiment again in a new --workdir."
+        )
 
 
 class Unrestorable(ValueError):
@@ -218,7 +243,13 @@ class Checkpointer:
         ...     print(os.listdir(directory), sorted(os.listdir(os.path.join(directory, "0"))))
         ['0'] [..., 'meta', 'state']
         """
-        meta = {"step": state.step, "num_stages": len(state.stages), "extra": extra or {}}
+        meta = {
+            "format": FORMAT,
+            "dgrad": dgrad.__version__,
+            "step": state.step,
+            "num_stages": len(state.stages),
+            "extra": extra or {},
+        }
         # orbax's barriers are collectives: the transfers of `share` land first, so that
         # no process waits inside a barrier for one.
         shared = jax.block_until_ready(placement.share(state))
@@ -231,8 +262,9 @@ class Checkpointer:
         )
 
     def meta(self, step: int | None = None) -> dict[str, Any]:
-        """What checkpoint `step` (default the newest) holds beside its arrays: its `step`,
-        `num_stages` and the `extra` it was saved with. Reads one small file.
+        """What checkpoint `step` (default the newest) holds beside its arrays: its `format`,
+        the `dgrad` version that wrote it, its `step`, `num_stages` and the `extra` it was
+        saved with. Reads one small file.
 
         >>> import tempfile, jax.numpy as jnp, optax
         >>> import dgrad
@@ -242,7 +274,7 @@ class Checkpointer:
         >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
         ...     checkpoints.save(state.replace(step=4), {"epoch": 2})
         ...     print(checkpoints.meta())
-        {'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
+        {'format': 2, 'dgrad': '...', 'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
         """
         self.wait()
         return dict(self._meta_reader.restore(self._step_path(self._require(step)) / "meta"))
@@ -273,9 +305,10 @@ class Checkpointer:
 
         `pipe` must be initialised (`pipe.init(example_batch)`); every array goes
         to the devices `pipe` places its stage on. `check(meta)` may refuse the
-        checkpoint (by raising) on its `meta` before any array is read. A checkpoint
-        that does not restore raises `Unrestorable`; under several processes it does
-        so on every process if it failed on any (each reads its own part).
+        checkpoint (by raising) on its `meta` before any array is read. A checkpoint of
+        another `FORMAT` raises `OtherFormat`; one that does not restore, `Unrestorable`;
+        under several processes it does so on every process if it failed on any (each
+        reads its own part).
 
         >>> import tempfile, jax, jax.numpy as jnp, optax
         >>> import dgrad
@@ -303,14 +336,14 @@ class Checkpointer:
             meta = self.meta(step)
         except Exception as error:  # (its JSON damaged or missing)
             failure = f"its meta: {_one_line(error)}"
+        if meta is not None and meta.get("format", 1) != FORMAT:
+            raise OtherFormat(step, self.directory, meta)  # (all processes alike)
         if meta is not None and check is not None:
             check(meta)  # (every process reads the same file: all refuse alike)
         if failure is None:
             _ignore_reads_left_behind()
             try:
-                target = self._target(pipe, meta)
-                layouts = [spec.residual_layout for spec in pipe.specs]
-                restored = self._read_state(step, target, layouts)
+                restored = self._read_state(step, self._target(pipe, meta))
             except Exception as error:  # damaged arrays, or a state of another structure
                 failure = _one_line(error)
         failure = _first_failure(failure)
@@ -328,16 +361,15 @@ class Checkpointer:
             )
         return pipe.state_structure(meta["step"])
 
-    def _read_state(self, step: int, target: PipelineState, layouts=()) -> PipelineState:
-        """This process' part of checkpoint `step`'s state, placed as `target` (`layouts`:
-        each stage's `dgrad.stage.ResidualLayout`, for records saved unpacked)."""
+    def _read_state(self, step: int, target: PipelineState) -> PipelineState:
+        """This process' part of checkpoint `step`'s state, placed as `target`."""
         path = self._step_path(step) / "state"
         saved = self._state_reader.metadata(path).tree
         _check_parameters(saved, target)
         stored = jax.tree.map(placement.shared_target, target)
-        as_saved, back = _as_saved(stored, saved, layouts)
-        restored = self._state_reader.restore(path, args=ocp.args.StandardRestore(as_saved))
-        return placement.unshare(back(restored), target)
+        _check_structure(stored, saved)
+        restored = self._state_reader.restore(path, args=ocp.args.StandardRestore(stored))
+        return placement.unshare(restored, target)
 
     def set_aside(self, step: int) -> str:
         """Moves checkpoint `step` (one that does not restore) into `damaged/` beside the
@@ -478,95 +510,22 @@ def _path(keys) -> tuple[str, ...]:
     )
 
 
-def _as_saved(stored, saved, layouts=()):
-    """`stored` (the target) in the shape of the `saved` metadata tree, and the function
-    that maps what orbax restores in that shape back to `stored`'s.
-
-    Three kinds of older checkpoints restore into today's state:
-    - written while dgrad held weights as `nnx.Variable`s: each weight is one level
-      deeper, under `value`;
-    - written while every kept record stashed the weights of its forward: a record's
-      `params` that the target does not keep (nothing reads them, see
-      `dgrad.stage.Residuals`) are read like the stage's weights and dropped;
-    - written while a record held each leaf of its VJP apart: they are read as saved and
-      packed as stage k's `layouts[k]` packs them (`dgrad.stage.ResidualLayout`).
-    """
-    paths, treedef = jax.tree_util.tree_flatten_with_path(stored)
-    wanted = {_path(keys): leaf for keys, leaf in paths}
-    saved_leaves = {
-        _path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
-    }
-    unpacked = _unpacked_records(saved_leaves, layouts)
-
-    def target_of(path):  # the target's path that receives `path`'s array
-        for candidate in (path, _weight_of_variable(path)):
-            if candidate in wanted:
-                return candidate
-        return None
-
-    owner, dropped = {}, {}  # saved path -> the target's path of that array
-    for path in saved_leaves:
-        if path[:5] in unpacked:  # read as saved, packed in `back`
-            at = unpacked[path[:5]].position(int(path[5]))
-            owner[path] = None if at is None else path[:5] + (str(at),)
-            continue
-        owner[path] = target_of(path)
-        if owner[path] is None and _is_stashed_weight(path):
-            _, stage, _, _, _, *weight = path  # stages/<k>/kept/<i>/params/<weight...>
-            dropped[path] = target_of(("stages", stage, "params", *weight))
-        if owner[path] is None and dropped.get(path) is None:
-            raise _mismatch(path, "holds")
-    missing = set(wanted) - set(owner.values())
+def _check_structure(stored, saved) -> None:
+    """The `saved` metadata tree must hold the arrays of `stored` (the target), no more and
+    no fewer; a ValueError in one line says which differs."""
+    wanted = {_path(keys) for keys, _ in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    held = {_path(keys) for keys, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    missing = wanted - held
     if any(map(_is_stashed_weight, missing)):
         raise ValueError(
             "This pipeline keeps the weights of each kept batch's forward, but the "
             "checkpoint's records hold none (it was saved with another weights policy, "
             "probe_every or optimizer): resume with the options the run was saved with."
         )
-    missing -= {path for path in missing if path[:5] in unpacked}  # packed in `back`
+    if held - wanted:
+        raise _mismatch(min(held - wanted), "holds")
     if missing:
         raise _mismatch(min(missing), "lacks")
-    if not unpacked and not dropped and all(path == own for path, own in owner.items()):
-        return stored, lambda restored: restored  # today's layout
-
-    def abstract(path):  # how orbax is to read the saved array at `path`
-        record = path[:5]
-        if record in unpacked and owner[path] is None:  # a leaf today's record packs
-            packed = wanted[record + (str(unpacked[record].num_stored - 1),)]
-            meta = saved_leaves[path]  # read whole on each device, as the packed array is
-            return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=packed.sharding)
-        return wanted[owner[path] or dropped[path]]
-
-    as_saved = jax.tree_util.tree_map_with_path(lambda keys, _: abstract(_path(keys)), saved)
-    saved_at = {own: path for path, own in owner.items() if own is not None}
-
-    def back(restored):
-        at = {_path(keys): leaf for keys, leaf in jax.tree_util.tree_flatten_with_path(restored)[0]}
-        today = {path: at[saved] for path, saved in saved_at.items()}
-        for record, layout in unpacked.items():
-            leaves = [at[record + (str(j),)] for j in range(layout.num_leaves)]
-            for j, array in enumerate(layout.pack(leaves)):
-                path = record + (str(j),)
-                today[path] = jax.device_put(array, wanted[path].sharding)
-        return treedef.unflatten([today[path] for path in wanted])
-
-    return as_saved, back
-
-
-def _unpacked_records(saved_leaves, layouts) -> dict[tuple, Any]:
-    """The kept records (`stages/<k>/kept/<i>/residuals`) saved with their VJP's leaves one
-    by one where stage k's layout (`layouts[k]`) packs some, with that layout."""
-    counts = {}
-    for path in saved_leaves:
-        if len(path) == 6 and path[2] == "kept" and path[4] == "residuals":
-            counts[path[:5]] = counts.get(path[:5], 0) + 1
-    unpacked = {}
-    for record, count in counts.items():
-        k = int(record[1])
-        layout = layouts[k] if k < len(layouts) else None
-        if layout is not None and count == layout.num_leaves != layout.num_stored:
-            unpacked[record] = layout
-    return unpacked
 
 
 def _mismatch(path, holds_or_lacks: str) -> ValueError:
@@ -582,21 +541,6 @@ def _mismatch(path, holds_or_lacks: str) -> ValueError:
         "saved with other pipeline options (method, optimizer, predict, weights, memory, "
         "accumulate, microbatches or probe_every). Resume with the options it was written with."
     )
-
-
-def _weight_of_variable(path) -> tuple[str, ...] | None:
-    """The array's path if `path` is where an `nnx.Variable` held it (`stages/<k>/.../value`,
-    in the weights, the statistics or the optimizer state), else None.
-
-    >>> _weight_of_variable(("stages", "0", "params", "layers", "kernel", "value"))
-    ('stages', '0', 'params', 'layers', 'kernel')
-    >>> _weight_of_variable(("stages", "0", "params", "layers", "kernel")) is None
-    True
-    """
-    match path:
-        case ("stages", _stage, _, *weight, "value") if weight:
-            return path[:-1]
-    return None
 
 
 def _is_stashed_weight(path) -> bool:

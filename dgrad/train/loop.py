@@ -27,7 +27,7 @@ from dgrad.placement import share
 from dgrad.state import PipelineState
 from dgrad.train import config as fields
 from dgrad.train import export, metrics
-from dgrad.train.checkpoint import Checkpointer, Unrestorable
+from dgrad.train.checkpoint import Checkpointer, OtherFormat, Unrestorable
 from dgrad.train.config import Run
 from dgrad.train.distributed import StopVote
 from dgrad.train.evaluate import Limited, evaluate
@@ -413,6 +413,8 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
                 ctx.pipe, step, check=lambda meta: _refuse_other_runs(ctx, config, meta)
             )
             break
+        except OtherFormat as error:
+            raise WorkdirError(str(error)) from None
         except Unrestorable as error:
             failed.append(error)
     else:
@@ -446,13 +448,6 @@ def _refuse_other_runs(ctx: RunContext, config, meta: dict[str, Any]) -> None:
             f"The checkpoint in {ctx.run_dir} was written with another configuration (it "
             f"differs in: {', '.join(changed)}); resume with the configuration it was "
             "written with, or use a new --workdir."
-        )
-    if ctx.run.fused and meta["num_stages"] == 1 < ctx.pipe.num_stages:
-        raise WorkdirError(
-            f"The fused-BP baseline in {ctx.run_dir} was saved as one stage, by a dgrad that "
-            "clipped its whole gradient at once; a baseline that clips now takes the run's cut "
-            f"of {ctx.pipe.num_stages} stages (clipping is per stage), so it cannot resume "
-            "this one: train the experiment in a new --workdir."
         )
 
 
