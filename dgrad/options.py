@@ -61,6 +61,7 @@ def method_title(method: str, virtual_stages: int = 1) -> str:
 
 MICROBATCHED = ("gpipe", "1f1b", "zb", "dualpipev", "2bw")  # split each batch into `microbatches`
 SPLIT_BACKWARD = ("zb", "dualpipev")  # cut backwards into B (input) and W (weights)
+ALWAYS_CHUNKED = ("dualpipev",)  # only on virtual_stages=2: 2 chunks a device group, in a V
 WEIGHT_POLICIES = ("stash", "current")
 MEMORY_POLICIES = ("residuals", "dots", "recompute")
 PREDICTIONS = ("momentum", "update")  # see dgrad.optim.prediction

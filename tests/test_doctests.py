@@ -31,6 +31,11 @@ ALLOWED_WITHOUT_EXAMPLE: set[str] = {
     "dgrad.measure.benchmark_across.Group.window",
     "dgrad.measure.benchmark_across.Group.moves",
     "dgrad.measure.benchmark_across.Group.close",
+    # whole benchmark runs: tests/test_benchmark.py runs them through the command
+    "dgrad.measure.report.engine",
+    "dgrad.measure.report.across",
+    "dgrad.measure.report.against_command",
+    "dgrad.measure.report.serve",
     # records with nothing to compute; the example of the function named makes them
     "dgrad.measure.benchmark_command.Measured",  # compare_with_command (test_benchmark)
     "dgrad.data.text.Corpus",  # stdlib_corpus
