@@ -13,7 +13,7 @@ them under the same machine load (`dgrad.measure.benchmark`). The table gives me
     python -m experiments.benchmark --stages 1,2 --data-parallel 1,2   # K x D layouts
     python -m experiments.benchmark --policies               # FDG's memory policies too
     python -m experiments.benchmark --allocator default      # glibc's own malloc thresholds
-    python -m experiments.benchmark --processes 2            # FDG K=2, a process per stage
+    python -m experiments.benchmark --processes 2            # DDG, FDG K=2, a process per stage
     python -m experiments.benchmark --model mlp --stages 2,4 --methods gpipe,1f1b,zb,ddg,fdg,2bw
     python -m experiments.benchmark --model gpt --stages 1,2 --batch-size 32   # tokens/s
     python -m experiments.benchmark --against-command --stages 2 --methods fdg,1f1b \\
@@ -31,10 +31,12 @@ stage holds at the busiest moment of a step (GPipe: M microbatches, 1F1B: at mos
 
 Without an accelerator the stages run on fake CPU devices (one per stage and
 replica), which share the machine's cores; on GPUs it uses the real devices.
-With `--processes K` it times FDG (or the first of `--methods`) with K stages
-on K processes pinned to a core each, beside the same pipeline in one process
-and fused BP pinned to one core, and what the moves between the processes
-cost per step (`dgrad.measure.benchmark_across`).
+With `--processes K` it times each of `--methods` (a microbatched one with one
+`--microbatches` value) with K stages on K processes pinned to a core each, beside
+the same pipeline in one process and fused BP pinned to one core, each with its
+ceiling (the split's, times 1 - its timetable's ideal bubble) and the share of it
+reached, and what the moves between the processes cost per step
+(`dgrad.measure.benchmark_across`).
 
 With `--against-command` it times the training command itself (`python -m
 experiments.train` on synthetic images, the same cuts, batch and methods) beside

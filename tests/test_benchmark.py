@@ -280,10 +280,10 @@ def test_benchmark_runs_its_quick_mode_with_replicas(tmp_path):
 
 @pytest.mark.processes
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "flags, label", [([], "fdg"), (["--methods=gpipe", "--microbatches=2"], "gpipe M=2")]
-)
-def test_the_benchmark_across_processes_prints_every_case_and_the_moves(flags, label):
+def test_the_benchmark_across_processes_prints_every_method_its_ceiling_and_moves():
+    """Each of --methods in one process and across processes beside fused BP pinned; each
+    row's ceiling is the split's times 1 - the timetable's ideal bubble (GPipe M=2 at
+    K=2: 1/3), and the share reached is the measured ratio over it."""
     status, output = run_command(
         [
             sys.executable,
@@ -296,23 +296,32 @@ def test_the_benchmark_across_processes_prints_every_case_and_the_moves(flags, l
             "--windows=2",
             "--steps=2",
             "--split=balanced",
-            *flags,
+            "--methods=fdg,gpipe",
+            "--microbatches=2",
         ],
         timeout=600,
         cwd=ROOT,
     )
-    rows = [
-        line for line in output.splitlines() if line.startswith("| ") and "samples/s" not in line
-    ]
-    names = [row.split("|")[1].strip() for row in rows]
-    assert names == [
+    table = [line for line in output.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line.split("|") for line in table[1:]]
+    assert [row[1].strip() for row in rows] == [
         "bp fused, pinned",
-        f"{label} K=2, one process",
-        f"{label} K=2, 2 processes pinned",
+        "fdg K=2, one process",
+        "fdg K=2, 2 processes pinned",
+        "gpipe M=2 K=2, one process",
+        "gpipe M=2 K=2, 2 processes pinned",
     ], output
-    assert rows[0].split("|")[3].strip() == "1.00 [1.00-1.00]"
-    assert re.search(r"# moves between the processes: \d+\.\d\d ms/step", output), output
-    assert "# predicted ceiling (sum of stage costs / slowest stage): " in output
+    assert rows[0][3].strip() == "1.00 [1.00-1.00]"
+    ceiling = float(output.split("slowest stage): ")[1].split("x")[0])
+    fdg, gpipe = float(rows[1][4]), float(rows[3][4])
+    assert fdg == pytest.approx(ceiling, abs=0.01) and gpipe == pytest.approx(
+        ceiling * 2 / 3, abs=0.01
+    )
+    for row in rows[1:]:
+        ratio, top = float(row[3].split()[0]), float(row[4])  # (both rounded)
+        assert abs(float(row[5].strip().rstrip("%")) - 100 * ratio / top) <= 1.5, row
+    for label in ("fdg", "gpipe M=2"):
+        assert re.search(rf"# moves between the processes, {label}: \d+\.\d\d ms/step", output)
 
 
 @pytest.mark.processes

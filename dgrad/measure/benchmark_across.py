@@ -261,43 +261,49 @@ def pin_and_join(pin: int | None, join) -> None:
     join()
 
 
+def label(spec: dict) -> str:
+    """A method's name in the tables, with its microbatches.
+
+    >>> label({"method": "gpipe", "options": {"microbatches": 4}}), label({"method": "fdg"})
+    ('gpipe M=4', 'fdg')
+    """
+    microbatches = spec.get("options", {}).get("microbatches", 1)
+    return spec["method"] + (f" M={microbatches}" if microbatches > 1 else "")
+
+
 def compare_across_processes(
-    spec: dict, num_stages: int, *, windows: int, steps: int, out=None
+    specs: Sequence[dict], num_stages: int, *, windows: int, steps: int, out=None
 ) -> dict[str, list[float]]:
-    """Fused BP pinned to one core, the pipeline in one process on `num_stages` fake devices
-    (every core), and the same pipeline as `num_stages` processes pinned to a core each,
-    timed round by round; returns the samples/s of every window by case, and
-    `moves ms/step` (the cross-process moves of one step, alone). It starts four
-    processes, so its example is a test (tests/test_benchmark.py).
+    """Fused BP pinned to one core, and each pipeline of `specs` in one process on
+    `num_stages` fake devices (every core) and as `num_stages` processes pinned to a core
+    each, timed round by round; returns the samples/s of every window by case, and for
+    each pipeline `<its label> moves ms/step` (the cross-process moves of one step, alone).
+    It starts many processes, so its example is a test (tests/test_benchmark.py).
     """
     out = out or sys.stdout
     k = num_stages
-    microbatches = spec.get("options", {}).get("microbatches", 1)
-    method = spec["method"] + (f" M={microbatches}" if microbatches > 1 else "")
     cores = list(range(os.cpu_count() or 1))
-    fused = {**spec, "method": "bp", "fused": True, "stages": 1, "cuts": [], "options": {}}
+    fused = {**specs[0], "method": "bp", "fused": True, "stages": 1, "cuts": [], "options": {}}
+    cases = [("bp fused, pinned", fused, 1, 1, [0])]
+    for spec in specs:
+        pins = [c % len(cores) for c in range(k)]
+        cases += [
+            (f"{label(spec)} K={k}, one process", spec, 1, k, None),
+            (f"{label(spec)} K={k}, {k} processes pinned", spec, k, 1, pins),
+        ]
     groups = []
     try:
-        for name, case, processes, devices, pins in [
-            ("bp fused, pinned", fused, 1, 1, [0]),
-            (f"{method} K={k}, one process", spec, 1, k, None),
-            (
-                f"{method} K={k}, {k} processes pinned",
-                spec,
-                k,
-                1,
-                [c % len(cores) for c in range(k)],
-            ),
-        ]:
+        for name, case, processes, devices, pins in cases:
             out.write(f"# starting {name}\n")
             out.flush()
             groups.append(Group(name, case, processes=processes, devices=devices, pins=pins))
         rates = {group.name: [] for group in groups}
         for _ in range(windows):
             for group in groups:
-                rates[group.name].append(spec["batch_size"] * steps / group.window(steps))
-        across = groups[-1]
-        rates["moves ms/step"] = [1e3 * across.moves(steps) / steps for _ in range(windows)]
+                rates[group.name].append(specs[0]["batch_size"] * steps / group.window(steps))
+        for spec, across in zip(specs, groups[2::2]):
+            moves = [1e3 * across.moves(steps) / steps for _ in range(windows)]
+            rates[f"{label(spec)} moves ms/step"] = moves
         return rates
     finally:
         for group in groups:

@@ -77,7 +77,6 @@ def unchunked_rows(method: str, k: int, m: int, virtual_stages, blocks: int) -> 
 def _bubble(case) -> str:
     """A pipeline's measured idle % per device, beside the ideal (the timetable with the
     papers' unit costs, `dgrad.measure.timing`)."""
-
     pipe = case.pipe
     if pipe is None or pipe.options.fused or pipe.num_stages == 1 or not case.device_busy:
         return "-"
@@ -87,7 +86,6 @@ def _bubble(case) -> str:
 
 def _per_call(case) -> str:
     """The host's µs per dispatched call, and the calls and moves of a step."""
-
     if case.pipe is None or not getattr(case, "dispatched", None):
         return "-"
     calls, moves = case.dispatched
@@ -102,7 +100,6 @@ def _per_call(case) -> str:
 def _print_dispatch_states(cases) -> None:
     """Each pipeline's host µs per call in the engine's steps beside the same step's calls
     replayed in four states of the devices' queues (`dgrad.measure.benchmark.dispatch_by_queue`)."""
-
     pipelines = [c for c in cases if c.num_stages > 1 and getattr(c, "dispatched", None)]
     table = [(c, bench.dispatch_by_queue(c.pipe, c.state, c.batch)) for c in pipelines]
     states = list(table[0][1]) if table else []
@@ -156,7 +153,6 @@ def _gpt_rates(args, chain, samples_per_s) -> str:
 def serve(argv):
     """A worker of `--processes`: `--serve --spec=JSON [--pin=CORE] [--cpu_devices=N]
     [--coordinator=... --num_processes=... --process_id=...]`."""
-
     parser = OneLineParser(prog="python -m experiments.benchmark --serve")
     for name in ("--spec", "--coordinator"):
         parser.add_argument(name)
@@ -173,8 +169,10 @@ def serve(argv):
 
 
 def across(args):
-    """`--processes K`: the pipeline across processes beside one process and fused BP."""
-
+    """`--processes K`: each of `--methods` across K processes pinned a core each, beside
+    the same pipeline in one process and fused BP pinned to one core, with the share of
+    its ceiling each reaches: the split's (sum of stage costs over the slowest stage) times
+    1 - the timetable's ideal bubble (`dgrad.measure.timing`, the papers' unit costs)."""
     k = args.processes
     chain = _blocks_of(args)
     costs = chain.costs
@@ -183,62 +181,66 @@ def across(args):
         print("# block forward+backward ms: " + " ".join(f"{1e3 * c:.1f}" for c in costs))
     cuts = _cuts_for(args, chain, costs, k)
     ceiling = balance.speedup_ceiling(costs, cuts)
-    method = "fdg" if "fdg" in args.methods else args.methods[0]
-    options = {}
-    if method in MICROBATCHED:
-        if len(args.microbatches) > 1:
-            print(
-                f"error: --processes times one configuration; give {method} one --microbatches "
-                f"value, not {','.join(map(str, args.microbatches))}",
-                file=sys.stderr,
-            )
-            raise SystemExit(2)
-        options = {"microbatches": args.microbatches[0]}
-    spec = {
-        **_spec_of(args),
-        "method": method,
-        "fused": False,
-        "stages": k,
-        "cuts": list(cuts),
-        "options": options,
-    }
-    others = [m for m in args.methods if m != method]
-    if others:
-        print(f"# --processes times one method: {method} (not {', '.join(others)})")
-    label = method + "".join(f" M={m}" for m in options.values())
-    print(f"# {args.model}, batch {args.batch_size}: {label} K={k}, cuts {list(cuts)}")
+    several = [m for m in args.methods if m in MICROBATCHED and len(args.microbatches) > 1]
+    if several:
+        print(
+            f"error: --processes times one configuration a method; give {several[0]} one "
+            f"--microbatches value, not {','.join(map(str, args.microbatches))}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    specs, ceilings = [], {}
+    for method in args.methods:
+        options = {"microbatches": args.microbatches[0]} if method in MICROBATCHED else {}
+        specs.append(
+            {
+                **_spec_of(args),
+                "method": method,
+                "fused": False,
+                "stages": k,
+                "cuts": list(cuts),
+                "options": options,
+            }
+        )
+        schedule = dgrad.Schedule(method, k, microbatches=options.get("microbatches", 1))
+        bubble = float(np.mean(timing.simulate(schedule).idle))
+        ceilings[benchmark_across.label(specs[-1])] = ceiling * (1 - bubble)
+    print(f"# {args.model}, batch {args.batch_size}: K={k}, cuts {list(cuts)}")
     print(f"# predicted ceiling (sum of stage costs / slowest stage): {ceiling:.2f}x")
     rates = benchmark_across.compare_across_processes(
-        spec, k, windows=args.windows, steps=args.steps
+        specs, k, windows=args.windows, steps=args.steps
     )
-    moves = rates.pop("moves ms/step")
+    moves = {name: rates.pop(name) for name in list(rates) if name.endswith("moves ms/step")}
     base = np.array(rates["bp fused, pinned"])
     print()
     print(
         "| configuration | samples/s median [min-max] | x fused BP pinned [min-max] | "
-        "of the ceiling |"
+        "ceiling x [1 - ideal bubble] | of the ceiling |"
     )
-    print("|---|---|---|---|")
+    print("|---|---|---|---|---|")
     for name, values in rates.items():
         values = np.array(values)
         ratio = values / base
-        share = "-" if name == "bp fused, pinned" else f"{100 * np.median(ratio) / ceiling:.0f}%"
+        top = next((c for label, c in ceilings.items() if name.startswith(f"{label} K=")), None)
+        share = "-" if top is None else f"{100 * np.median(ratio) / top:.0f}%"
         print(
             f"| {name} | {np.median(values):.1f} [{values.min():.1f}-{values.max():.1f}] | "
-            f"{bench.summary(ratio)} | {share} |"
+            f"{bench.summary(ratio)} | {'-' if top is None else f'{top:.2f}'} | {share} |"
         )
-    step_ms = 1e3 * args.batch_size / np.median(rates[list(rates)[-1]])
-    print(
-        f"# moves between the processes: {np.median(moves):.2f} ms/step "
-        f"[{min(moves):.2f}-{max(moves):.2f}] of a {step_ms:.0f} ms step"
-    )
+    for name, values in moves.items():
+        label = name.removesuffix(" moves ms/step")
+        pinned = np.median(rates[f"{label} K={k}, {k} processes pinned"])
+        print(
+            f"# moves between the processes, {label}: {np.median(values):.2f} ms/step "
+            f"[{min(values):.2f}-{max(values):.2f}] of a {1e3 * args.batch_size / pinned:.0f} "
+            "ms step"
+        )
     return rates
 
 
 def against_command(args):
     """`--against-command`: the training command's steady epochs beside the engine's
     windows, paired by rounds (`dgrad.measure.benchmark_command`)."""
-
     (k,) = args.stages
     chain = _blocks_of(args)
     cuts = _cuts_for(args, chain, chain.costs, k)
@@ -276,7 +278,6 @@ def against_command(args):
 def _cuts_for(args, chain, costs, k: int) -> list[int]:
     """Where `--split` cuts the model's blocks (`costs` each) into `k` stages; a split
     the model does not have is one line and exit 2."""
-
     split = balance.balanced_cuts(costs, k) if args.split == "profiled" else args.split
     try:
         return models.choose_cuts(split, k, costs, chain.authors, model=args.model)
