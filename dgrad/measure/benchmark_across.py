@@ -175,7 +175,8 @@ class Group:
         return max(self._answers("time"))
 
     def moves(self, steps: int) -> float:
-        """Seconds for `steps` steps' cross-process moves alone (activation and cotangent)."""
+        """Seconds for `steps` steps' cross-process moves alone: each unit's activation and
+        cotangent across each boundary between stages."""
         self._order(f"moves {steps}")
         return max(self._answers("time"))
 
@@ -227,11 +228,16 @@ def serve(spec: dict, *, stdin=None, stdout=None) -> None:
     for _ in range(2 * pipe.num_stages + 2):
         state, _ = pipe.step(state, batch)
     jax.block_until_ready(state)
-    # One step's moves, each from a value of its shape already in flight: the cotangent
-    # stage k holds crosses k -> k+1 as stage k's output does, the activation stage k+1
-    # holds crosses back as its cotangent does.
-    in_flight = [(m.value, k, k + 1) for k, m in enumerate(state.cotangents) if m is not None]
-    in_flight += [(m.value, k, k - 1) for k, m in enumerate(state.activations) if m is not None]
+    # One step's moves, each from a value of its shape placed where it starts: per unit of
+    # the step (a batch or microbatch), stage k's output k -> k+1 and its cotangent back.
+    # (A flushed timetable holds nothing in flight between steps to take them from.)
+    units = len(pipe.schedule.units(state.step))
+    in_flight = []
+    for k, stage in enumerate(pipe.specs[:-1]):
+        zeros = np.zeros(stage.outputs.shape, stage.outputs.dtype)
+        in_flight += [(pipe.placement.put_batch(zeros, k), k, k + 1)] * units
+        if not pipe.schedule.trains_locally(k):  # (DGL sends no cotangent back)
+            in_flight += [(pipe.placement.put_batch(zeros, k + 1), k + 1, k)] * units
     stdout.write("ready\n")
     stdout.flush()
     for line in stdin:
