@@ -1,8 +1,8 @@
 """dgrad: train stage-split Flax models across devices with delayed gradients and pipelines.
 
 The methods: BP, DDG, FDG, Features Replay, DGL and ADL; GPipe, 1F1B (interleaved with
-virtual stages) and zero-bubble (ZB-H1, and ZB-V with two virtual stages); PipeDream and
-PipeDream-2BW (`dgrad.schedule` states each timetable, `dgrad.Pipeline` trains them).
+virtual stages), zero-bubble (ZB-H1, and ZB-V with two virtual stages) and DualPipeV;
+PipeDream and PipeDream-2BW (`dgrad.schedule` states each timetable, `dgrad.Pipeline` trains them).
 
 The names below are imported when first used, so that `import dgrad` (and the
 command line deciding that a run is already finished) stays fast.

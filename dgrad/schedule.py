@@ -71,9 +71,12 @@ Stage k of K (0-indexed; stage K-1 takes the loss), iteration t, batch b_t:
   the first and the last chunk share device 0; each device runs the paper's
   order over its two chunks (`device_work`), with no bubble once M >= 2K-1 and
   F = B = W, holding at most 2K chunk records (1F1B's memory). GPipe's numbers.
-- DualPipeV (DeepSeek-V3) is ZB-V's placement with another order, and it runs
-  one chunk's forward and another's backward in one call to overlap their
-  communication, which one controller over XLA does not need; not built.
+- DualPipeV (`dualpipev`, `virtual_stages=2`, the cut-in-half V of DeepSeek-V3's
+  DualPipe): ZB-V's placement in its own order (`dualpipe_v_order`: eight runs of
+  forwards, backwards and deferred W's, M >= 2K). Where it overlaps one chunk's
+  forward with the other's backward in one call, to hide their communication,
+  the engine runs two calls in a row: one controller over XLA has nothing to
+  overlap by hand. GPipe's numbers.
 - PipeDream (asynchronous 1F1B with weight stashing) gives every forward and
   update the weight versions of DDG with weights=stash: the same timetable.
 - PipeDream-2BW: W^{t+1} = U(W^t, g_t), g_t the gradient of b_t (over its M
