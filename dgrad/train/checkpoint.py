@@ -515,6 +515,8 @@ def _check_structure(stored, saved) -> None:
     no fewer; a ValueError in one line says which differs."""
     wanted = {_path(keys) for keys, _ in jax.tree_util.tree_flatten_with_path(stored)[0]}
     held = {_path(keys) for keys, _ in jax.tree_util.tree_flatten_with_path(saved)[0]}
+    if held - wanted:
+        raise _mismatch(min(held - wanted), "holds")
     missing = wanted - held
     if any(map(_is_stashed_weight, missing)):
         raise ValueError(
@@ -522,8 +524,6 @@ def _check_structure(stored, saved) -> None:
             "checkpoint's records hold none (it was saved with another weights policy, "
             "probe_every or optimizer): resume with the options the run was saved with."
         )
-    if held - wanted:
-        raise _mismatch(min(held - wanted), "holds")
     if missing:
         raise _mismatch(min(missing), "lacks")
 
