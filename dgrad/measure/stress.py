@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import pathlib
+import re
 import signal
 import statistics
 import sys
@@ -129,6 +130,24 @@ class Outcome:
         return statistics.median(done) if done else float("nan")
 
 
+# What a failed run's own account of it looks like: an exception, an error line, or a
+# fatal or error line of XLA's log (F/E, then the month and day).
+_ERROR = re.compile(r"Error|error:|Terminating|DEADLINE_EXCEEDED|UNAVAILABLE|(^|\] )[FE]\d{4} ")
+_FRAME = re.compile(r"@\s+0x[0-9a-f]+")  # a line of a native stack trace
+
+
+def first_errors(output: str, count: int = 4) -> list[str]:
+    """The first `count` lines of a run's `output` that say what went wrong (a stack trace
+    at its end rarely does).
+
+    >>> first_errors("[1] step 3\\n[2] F1207 13:55:01 coordination_service.cc] Terminating\\n"
+    ...              "[2]     @ 0x7f54 SetError()\\n")
+    ['[2] F1207 13:55:01 coordination_service.cc] Terminating']
+    """
+    said = [line for line in output.splitlines() if _ERROR.search(line)]
+    return [line for line in said if not _FRAME.search(line)][:count]
+
+
 def run_once(layout: Layout, method: str, deadline_s: float, extra: Sequence[str] = ()):
     """One training run of `layout` with `method`: (exit status, seconds, output).
 
@@ -192,10 +211,12 @@ def stress(
                     name = f"{layout.name}-{method}-{attempt + 1}.log".replace(" ", "_")
                     (logs / name).write_text(output)
                 if status != 0 and report is not None:
+                    first = "\n".join("    " + line for line in first_errors(output))
                     tail = "\n".join("    " + line for line in output.splitlines()[-8:])
                     report.write(
                         f"{layout.name} {method} run {attempt + 1}: status {status} after "
-                        f"{seconds:.0f} s; its last lines:\n{tail}\n"
+                        f"{seconds:.0f} s; its first error lines:\n{first or '    (none)'}\n"
+                        f"  and its last lines:\n{tail}\n"
                     )
                     report.flush()
             outcomes.append(outcome)
