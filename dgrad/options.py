@@ -78,6 +78,24 @@ def _choice(name: str, value, choices) -> None:
         raise ValueError(f"Unknown {name} {value!r}; choose one of: {', '.join(choices)}.")
 
 
+def check_always_chunked(method: str, virtual_stages: int) -> None:
+    """A method that exists only as a V of 2 chunks a device group (`ALWAYS_CHUNKED`)
+    needs virtual_stages=2 (`Options` and `dgrad.schedule.check_virtual_stages` ask).
+
+    >>> check_always_chunked("dualpipev", 2), check_always_chunked("zb", 1)
+    (None, None)
+    >>> check_always_chunked("dualpipev", 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: method=dualpipev puts 2 chunks on each device group, in a V; use ...
+    """
+    if method in ALWAYS_CHUNKED and virtual_stages != 2:
+        raise ValueError(
+            f"method={method} puts 2 chunks on each device group, in a V; use "
+            f"virtual_stages=2, not {virtual_stages}."
+        )
+
+
 def _known(fields) -> None:
     names = [f.name for f in dataclasses.fields(Options)]
     for name in fields:
@@ -207,11 +225,7 @@ class Options:
                 f"group (1f1b: interleaved 1F1B, zb: ZB-V, dualpipev); use one of those "
                 f"methods with it, or virtual_stages=1 with method={self.method}."
             )
-        if self.method == "dualpipev" and self.virtual_stages != 2:
-            raise ValueError(
-                f"method=dualpipev puts 2 chunks on each device group, in a V; use "
-                f"virtual_stages=2, not {self.virtual_stages}."
-            )
+        check_always_chunked(self.method, self.virtual_stages)
         if self.method in SPLIT_BACKWARD and self.memory not in (None, "residuals"):
             raise ValueError(
                 f"method={self.method} computes each backward's input and weight gradients "

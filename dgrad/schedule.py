@@ -117,7 +117,7 @@ import dataclasses
 import functools
 from typing import ClassVar, Union
 
-from dgrad.options import METHODS, MICROBATCHED
+from dgrad.options import ALWAYS_CHUNKED, METHODS, MICROBATCHED, check_always_chunked
 
 Unit = Union[int, tuple[int, int]]  # a batch of the stream, or (batch, microbatch)
 
@@ -450,12 +450,8 @@ def check_virtual_stages(
                 "virtual_stages=2, or 1 for ZB-H1."
             )
         return
+    check_always_chunked(method, virtual_stages)
     if method == "dualpipev":
-        if virtual_stages != 2:
-            raise ValueError(
-                f"method=dualpipev puts 2 chunks on each device group, in a V; use "
-                f"virtual_stages=2, not {virtual_stages}."
-            )
         groups = num_stages // virtual_stages
         if microbatches < 2 * groups:
             raise ValueError(
@@ -504,7 +500,7 @@ class Schedule:
                 f"method={self.method} has no microbatches; microbatches is for "
                 f"{', '.join(MICROBATCHED)}."
             )
-        if self.virtual_stages != 1 or self.method == "dualpipev":
+        if self.virtual_stages != 1 or self.method in ALWAYS_CHUNKED:
             check_virtual_stages(
                 self.num_stages, self.virtual_stages, self.microbatches, self.method
             )
@@ -927,20 +923,8 @@ class Schedule:
             do(first, "BW")
         for chunk in (second, first):
             do(chunk, "W" * (done[(chunk, "B")] - done[(chunk, "W")]))
-        work = []
-        for chunk, kind, m in order:
-            if m >= M:
-                continue
-            unit = (t, m)
-            if kind == "F":
-                work.append(LossInput(chunk, unit) if chunk == self.last else Forward(chunk, unit))
-            elif kind == "B" and chunk == 0:
-                work.append(Backward(chunk, unit, apply=False))
-            elif kind == "B" and chunk != self.last:
-                work.append(InputGradient(chunk, unit))
-            elif kind == "W" and chunk != 0:
-                work.append(WeightGradient(chunk, unit))
-        return work + [Apply(second, M), Apply(first, M)]
+        order = [(chunk, kind, m, True) for chunk, kind, m in order if m < M]  # every B cut
+        return self._v_calls(order, t, first, second)
 
     def _dualpipe_v_work(self, device: int, t: int) -> list[Work]:
         """DualPipeV (the V half of DualPipe, DeepSeek-AI 2024): ZB-V's placement in the
@@ -955,25 +939,37 @@ class Schedule:
         [('Forward', 1, 0), ('Forward', 2, 0), ('Forward', 1, 1), ('Forward', 2, 1)]
         """
         K, M = self.num_devices, self.microbatches
-        order = dualpipe_v_order(K, device, M)
         chunk_of = (device, 2 * K - 1 - device)
-        cut = {(phase, m) for phase, kind, m, split in order if kind == "B" and split}
+        order = [
+            (chunk_of[phase], kind, m, split)
+            for phase, kind, m, split in dualpipe_v_order(K, device, M)
+        ]
+        return self._v_calls(order, t, *chunk_of)
+
+    def _v_calls(self, order, t: int, first: int, second: int) -> list[Work]:
+        """The calls of a device's `order` over its two chunks of a V, each entry (chunk,
+        "F" | "B" | "W", microbatch, whether a B is cut into B and a later W), then both
+        chunks' updates. The last chunk's F and B are one call (`LossInput` where its B is
+        cut, else `Loss`); chunk 0's B, which sends no cotangent, is one `Backward` with its
+        W, as is a B that is not cut."""
+        cut = {(chunk, m) for chunk, kind, m, split in order if kind == "B" and split}
         work = []
-        for phase, kind, m, split in order:
-            chunk, unit = chunk_of[phase], (t, m)
+        for chunk, kind, m, split in order:
+            unit = (t, m)
             if kind == "F" and chunk == self.last:
                 work.append(
-                    LossInput(chunk, unit) if (phase, m) in cut else Loss(chunk, unit, False)
+                    LossInput(chunk, unit) if (chunk, m) in cut else Loss(chunk, unit, False)
                 )
             elif kind == "F":
                 work.append(Forward(chunk, unit))
-            elif kind == "B" and chunk == 0 or kind == "B" and not split and chunk != self.last:
-                work.append(Backward(chunk, unit, apply=False))
             elif kind == "B" and chunk != self.last:
-                work.append(InputGradient(chunk, unit))
+                cut_here = split and chunk != 0
+                work.append(
+                    InputGradient(chunk, unit) if cut_here else Backward(chunk, unit, False)
+                )
             elif kind == "W" and chunk != 0:
                 work.append(WeightGradient(chunk, unit))
-        return work + [Apply(chunk_of[1], M), Apply(chunk_of[0], M)]
+        return work + [Apply(second, self.microbatches), Apply(first, self.microbatches)]
 
     def _microbatch_work(self, t: int) -> tuple[Work, ...]:
         """Every device's `device_work`, merged clock tick by clock tick: in each tick every
