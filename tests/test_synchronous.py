@@ -94,20 +94,18 @@ def test_interleaved_1f1b_matches_gpipe_on_its_chunks(model, virtual_stages, mic
             assert_matches_reference(state, history, reference(model, chunks, "2bw", **options))
 
 
-@pytest.mark.parametrize(
-    "model,microbatches",
-    [("mlp", 2), pytest.param("mlp", 4, marks=SLOW), pytest.param("cnn", 4, marks=SLOW)],
-)
-def test_zero_bubble_v_matches_gpipe_on_its_chunks(model, microbatches):
-    """ZB-V: K = 2 groups of 2 chunks in a V (chunks 0 and 3 on one group, 1 and 2 on the
-    other), GPipe's numbers on the 4 chunks, on every layout (M = 2, under the schedule's
-    2K-1, leaves microbatches out of its order); a control that the comparison can fail."""
+def check_in_a_v(method, model, microbatches, *, smooth_on_replicas):
+    """`method` on K = 2 groups of 2 chunks in a V (chunks 0 and 3 on one group, 1 and 2 on
+    the other) gives GPipe's numbers on the 4 chunks on every layout (the smooth optimizer
+    on the replicated one where `smooth_on_replicas`), and the comparison with 2BW's
+    reference fails."""
     for name, layout in interleaved_layouts().items():
-        tx = SMOOTH_OPTIMIZER if "replicas" in name else optimizer
+        smooth = smooth_on_replicas and "replicas" in name
+        tx = SMOOTH_OPTIMIZER if smooth else optimizer
         options = dict(microbatches=microbatches, optimizer=tx)
         ref = reference(model, 4, method="gpipe", **options)
         pipe, state, history = run_pipeline(
-            model, 4, method="zb", virtual_stages=2, **options, **layout
+            model, 4, method=method, virtual_stages=2, **options, **layout
         )
         groups = pipe.placement.groups
         assert [groups[j] for j in range(4)] == [groups[0], groups[1], groups[1], groups[0]]
@@ -117,6 +115,17 @@ def test_zero_bubble_v_matches_gpipe_on_its_chunks(model, microbatches):
             raise AssertionError(f"{name}: {error}") from None
         with pytest.raises(AssertionError):
             assert_matches_reference(state, history, reference(model, 4, "2bw", **options))
+
+
+@pytest.mark.parametrize(
+    "model,microbatches",
+    [("mlp", 2), pytest.param("mlp", 4, marks=SLOW), pytest.param("cnn", 4, marks=SLOW)],
+)
+def test_zero_bubble_v_matches_gpipe_on_its_chunks(model, microbatches):
+    """ZB-V: K = 2 groups of 2 chunks in a V (chunks 0 and 3 on one group, 1 and 2 on the
+    other), GPipe's numbers on the 4 chunks, on every layout (M = 2, under the schedule's
+    2K-1, leaves microbatches out of its order); a control that the comparison can fail."""
+    check_in_a_v("zb", model, microbatches, smooth_on_replicas=True)
 
 
 @pytest.mark.parametrize(
@@ -127,21 +136,7 @@ def test_dualpipe_v_matches_gpipe_on_its_chunks(model, microbatches):
     """DualPipeV: ZB-V's V (chunks 0 and 3 on one group, 1 and 2 on the other) in its own
     order, GPipe's numbers on the 4 chunks, on every layout; a control that the comparison
     can fail."""
-    for name, layout in interleaved_layouts().items():
-        tx = SMOOTH_OPTIMIZER if "replicas" in name and model != "cnn" else optimizer
-        options = dict(microbatches=microbatches, optimizer=tx)
-        ref = reference(model, 4, method="gpipe", **options)
-        pipe, state, history = run_pipeline(
-            model, 4, method="dualpipev", virtual_stages=2, **options, **layout
-        )
-        groups = pipe.placement.groups
-        assert [groups[j] for j in range(4)] == [groups[0], groups[1], groups[1], groups[0]]
-        try:
-            assert_matches_reference(state, history, ref)
-        except AssertionError as error:
-            raise AssertionError(f"{name}: {error}") from None
-        with pytest.raises(AssertionError):
-            assert_matches_reference(state, history, reference(model, 4, "2bw", **options))
+    check_in_a_v("dualpipev", model, microbatches, smooth_on_replicas=model != "cnn")
 
 
 def accumulating(k: int):
