@@ -55,13 +55,12 @@ from __future__ import annotations
 
 import sys
 
-from dgrad.measure.benchmark_across import GPT_SHAPE
+from dgrad.measure.benchmark_across import GPT_FLAGS, GPT_SHAPE
 from dgrad.options import ALWAYS_CHUNKED, MICROBATCHED
 from dgrad.train.cli import OneLineParser
 
 METHODS = ("ddg", "fdg", "fr", "dgl", "gpipe", "1f1b", "zb", "dualpipev", "pipedream", "2bw")
 MODELS = ("mlp", "resnet8", "resnet20", "resnet56", "resnet110", "wrn16-4", "wrn28-10", "gpt")
-GPT_FLAGS = tuple(name for name in GPT_SHAPE if name != "vocab_size")  # byte-level: 256
 
 
 def parse_args(argv=None):

@@ -35,6 +35,7 @@ WORKER = [sys.executable, "-m", "experiments.benchmark", "--serve"]
 
 
 GPT_SHAPE = {"vocab_size": 256, "layers": 4, "heads": 4, "dim": 128, "context": 64}
+GPT_FLAGS = tuple(name for name in GPT_SHAPE if name != "vocab_size")  # byte-level: 256
 
 
 def chain_of(spec: dict):

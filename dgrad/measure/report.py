@@ -18,13 +18,11 @@ import dgrad
 from dgrad import models
 from dgrad.measure import balance, benchmark_across, benchmark_command, timing
 from dgrad.measure import benchmark as bench
-from dgrad.measure.benchmark_across import GPT_SHAPE, chain_of, example_batch
+from dgrad.measure.benchmark_across import GPT_FLAGS, chain_of, example_batch
 from dgrad.measure.timeline import Timeline
 from dgrad.options import ALWAYS_CHUNKED, MICROBATCHED
 from dgrad.train import distributed
 from dgrad.train.cli import OneLineParser
-
-GPT_FLAGS = tuple(name for name in GPT_SHAPE if name != "vocab_size")  # byte-level: 256
 
 
 def chunked_rows(method: str, k: int, m: int, virtual_stages) -> list[int]:
