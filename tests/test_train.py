@@ -1,23 +1,25 @@
 """dgrad.train in this process: training every method from a config, resume bit for bit,
 stopping at any moment."""
 
+import io
 import os
 import signal
 
 import jax
+import numpy as np
 import pytest
 from damage import DAMAGES, damage
 from flax import nnx
 from helpers import ROOT, assert_equal
 from training import quiet, records, small_config, stop_at_call
 
-import dgrad
 from dgrad import data
 from dgrad.options import method_title
-from dgrad.train import Stopped, build, export, metrics, train
+from dgrad.train import Stopped, StopRequests, build, export, metrics, train
 from dgrad.train.checkpoint import Checkpointer
 from dgrad.train.cli import load_config
 from dgrad.train.config import runs_of
+from dgrad.train.loop import RunContext, train_run
 
 
 @pytest.mark.slow
@@ -127,34 +129,58 @@ def assert_resumes_exactly(tmp_path, monkeypatch, config, run_and_title, stop_at
     assert_equal(cut, whole)
 
 
-def test_the_loop_reads_a_steps_metrics_after_the_next_is_dispatched(tmp_path, monkeypatch):
-    """Only evaluation and saving (epoch ends, every 5 steps) wait for the step just
-    dispatched; a log step's record (every 3) is written one step later, the same."""
-    from dgrad.train import loop
+class _Watched:
+    """A pipeline whose steps say when they were dispatched and whose losses say when the
+    loop read them (a float-like value that notes the step dispatched last at its reading)."""
 
-    step_of, dispatched, reads = {}, [0], []
-    original_step, original_add = dgrad.Pipeline.step, loop.Tally.add
+    def __init__(self, pipe):
+        self.pipe, self.dispatched, self.reads = pipe, 0, []
+
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
 
     def step(self, state, batch):
-        state, step_metrics = original_step(self, state, batch)
-        dispatched[0] = state.step
+        state, step_metrics = self.pipe.step(state, batch)
+        self.dispatched = state.step
         if "loss" in step_metrics:
-            step_of[id(step_metrics["loss"])] = state.step
+            step_metrics["loss"] = _Loss(self, state.step, step_metrics["loss"])
         return state, step_metrics
 
-    def add(self, reported):
-        if "loss" in reported:
-            reads.append((dispatched[0], step_of[id(reported["loss"])]))
-        return original_add(self, reported)
 
-    monkeypatch.setattr(dgrad.Pipeline, "step", step)
-    monkeypatch.setattr(loop.Tally, "add", add)
+class _Loss:
+    def __init__(self, watched, step, value):
+        self.watched, self.step, self.value = watched, step, value
+
+    def __float__(self):
+        self.watched.reads.append((self.watched.dispatched, self.step))
+        return float(self.value)
+
+
+def test_the_loop_reads_a_steps_metrics_after_the_next_is_dispatched(tmp_path):
+    """Only evaluation and saving (epoch ends, every 5 steps) wait for the step just
+    dispatched; a log step's record (every 3) is written one step later, the same."""
     config = small_config(method="bp")
-    train(config, tmp_path / "run", devices=jax.devices()[:2], log=quiet)
-    waited = sorted(latest for latest, read in reads if read == latest)
+    dataset = data.load(config.dataset)
+    (run,) = runs_of(config)
+    pipe = build.build_pipeline(config, run, dataset, config.steps_per_epoch, jax.devices()[:2])
+    example = dataset.eval_transform.apply(*dataset.train.get(np.arange(config.batch_size)), None)
+    watched = _Watched(pipe)
+    ctx = RunContext(
+        run,
+        watched,
+        pipe.init(example),
+        dataset,
+        config.steps_per_epoch,
+        str(tmp_path),
+        log=quiet,
+        progress_stream=io.StringIO(),
+        stop=StopRequests(),
+    )
+    train_run(config, ctx)
+    waited = sorted(latest for latest, read in watched.reads if read == latest)
     assert waited == [5, 8, 10, 15, 16]  # the save steps, epoch ends among them
-    assert sorted(read for _, read in reads) == list(range(1, 17))  # each step read once
-    logged = [r["step"] for r in records(tmp_path / "run", "bp_k2") if r["kind"] == "train"]
+    assert sorted(read for _, read in watched.reads) == list(range(1, 17))  # each read once
+    logged = [r["step"] for r in metrics.read(tmp_path / "metrics.jsonl", "train")]
     assert logged == [3, 6, 8, 9, 12, 15, 16]
 
 
