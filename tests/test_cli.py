@@ -1,5 +1,6 @@
 """`python -m experiments.train` as a user runs it: outputs, one-line errors, signals,
-and the workdir's rules, each command in a process of its own."""
+and the workdir's rules, each command in a process of its own but the mistakes, which
+one process makes in turn (they stop before anything is computed)."""
 
 import json
 import signal
@@ -146,12 +147,37 @@ def test_gpipe_from_the_command_line_trains_fused_backprop_s_numbers(tmp_path):
         (["--config.method=2bw", "--config.weights=current"], "leave weights unset or use"),
     ],
 )
-def test_a_mistake_gets_one_line_and_status_2(tmp_path, args, message):
-    status, output = cli(*args, f"--workdir={tmp_path / 'run'}", timeout=120)
+def test_a_mistake_gets_one_line_and_status_2(mistakes_made, args, message):
+    status, output, workdir = mistakes_made[tuple(args)]
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert status == 2 and len(errors) == 1 and message in errors[0], output
     assert "Traceback" not in output
-    assert not (tmp_path / "run").exists()
+    assert not workdir.exists()
+
+
+@pytest.fixture(scope="module")
+def mistakes_made(request, tmp_path_factory):
+    """The command's status, output and workdir for each mistake this session tests, all
+    made in one process (tests/cli_worker.py calls the command's `main` on each)."""
+    chosen = [
+        tuple(item.callspec.params["args"])
+        for item in request.session.items
+        if item.originalname == "test_a_mistake_gets_one_line_and_status_2"
+    ]
+    base = tmp_path_factory.mktemp("mistakes")
+    workdirs = [base / str(i) / "run" for i in range(len(chosen))]
+    cases = [[*args, f"--workdir={workdir}"] for args, workdir in zip(chosen, workdirs)]
+    (base / "cases.json").write_text(json.dumps(cases))
+    run_command(
+        [sys.executable, str(ROOT / "tests/cli_worker.py"), base / "cases.json", base / "out.json"],
+        timeout=300,
+        cwd=ROOT,
+    )
+    results = json.loads((base / "out.json").read_text())
+    return {
+        args: (result["status"], result["output"], workdir)
+        for args, result, workdir in zip(chosen, results, workdirs)
+    }
 
 
 @pytest.mark.slow
