@@ -7,6 +7,7 @@ import signal
 import sys
 
 import pytest
+from damage import damage
 from helpers import ROOT
 from processes import run_command
 from training import quiet, small_config, stop_at_call
@@ -208,6 +209,26 @@ def test_an_extension_that_was_stopped_resumes(tmp_path):
     epochs = metrics.read(tmp_path / "fdg_k2" / "metrics.jsonl", "epoch")
     assert [r["epoch"] for r in epochs] == [1, 2, 3]
     train(small_config(num_epochs=3), tmp_path, log=quiet)  # and without --extend: finished
+
+
+def test_an_extension_that_trains_nothing_leaves_the_experiment_as_it_was(tmp_path):
+    """An extension whose resume fails (every checkpoint damaged) puts config.json back, so
+    that the experiment is still the finished one of its epochs; one killed before it
+    saved anything is not taken for finished either."""
+    train(small_config(num_epochs=1), tmp_path, log=quiet)
+    saved = (tmp_path / "config.json").read_text()
+    for checkpoint in (tmp_path / "fdg_k2" / "checkpoints").iterdir():
+        damage(checkpoint, "truncated data")
+    with pytest.raises(SetupError, match="No checkpoint in .* restores"):
+        train(small_config(num_epochs=2), tmp_path, extend=True, log=quiet)
+    assert (tmp_path / "config.json").read_text() == saved
+
+    written = json.loads(saved)  # as if killed after writing the extension's config.json
+    (tmp_path / "config.json").write_text(json.dumps({**written, "num_epochs": 2}))
+    lines = []
+    with pytest.raises(SetupError, match="No checkpoint in .* restores"):
+        train(small_config(num_epochs=2), tmp_path, log=lines.append)
+    assert not any("finished earlier" in line for line in lines)
 
 
 def test_a_run_whose_checkpoints_are_of_the_format_before_is_refused_and_left_as_it_was(

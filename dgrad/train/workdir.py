@@ -298,17 +298,19 @@ def create(
     ['config.json'] 2
     """
     os.makedirs(plan.path, exist_ok=True)
-    temporary = os.path.join(plan.path, CONFIG_FILE + ".tmp")
+    _write_config(plan.path, fields.to_json(config), corpus)
+
+
+def _write_config(path: str, saved: dict[str, Any], corpus: dict[str, Any] | None) -> None:
+    temporary = os.path.join(path, CONFIG_FILE + ".tmp")
     with open(temporary, "w") as f:
-        json.dump(
-            {**fields.to_json(config), **({CORPUS_KEY: corpus} if corpus else {})}, f, indent=2
-        )
-    os.replace(temporary, os.path.join(plan.path, CONFIG_FILE))
+        json.dump({**saved, **({CORPUS_KEY: corpus} if corpus else {})}, f, indent=2)
+    os.replace(temporary, os.path.join(path, CONFIG_FILE))
 
 
 def take_back(plan: Plan, run_labels) -> bool:
-    """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint);
-    whether it did.
+    """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint),
+    or puts back the config of an experiment whose extension saved nothing; whether it did.
 
     >>> import os, tempfile
     >>> from dgrad.train import config as fields
@@ -321,7 +323,13 @@ def take_back(plan: Plan, run_labels) -> bool:
     (True, False)
     """
     if plan.resumes:
-        return False
+        if plan.extends_from is None or any(
+            _newest_config(plan.path, label).get("num_epochs") != plan.saved["num_epochs"]
+            for label in run_labels
+        ):
+            return False
+        _write_config(plan.path, plan.saved, plan.corpus)  # the extension trained nothing
+        return True
     for label in run_labels:
         checkpoints = os.path.join(plan.path, label, "checkpoints")
         if os.path.isdir(checkpoints) and any(n.isdigit() for n in os.listdir(checkpoints)):
@@ -336,6 +344,20 @@ def take_back(plan: Plan, run_labels) -> bool:
         elif os.path.exists(target):
             os.remove(target)
     return True
+
+
+def _newest_config(path: str, label: str) -> dict[str, Any]:
+    """The config that run `label`'s newest checkpoint was saved with ({} if none reads)."""
+    from dgrad.train.checkpoint import Checkpointer
+
+    checkpoints = os.path.join(path, label, "checkpoints")
+    if not os.path.isdir(checkpoints):
+        return {}
+    with Checkpointer(checkpoints) as saved:
+        try:
+            return saved.meta()["extra"]["config"] if saved.latest_step() is not None else {}
+        except Exception:  # (damaged: the run's resume says so, and takes an older one)
+            return {}
 
 
 def total_steps(meta: dict[str, Any]) -> int:
@@ -382,6 +404,8 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
         model = os.path.join(run_dir, "model")
         if meta["step"] < total_steps(meta) or not os.path.isdir(model):
             return None  # stopped before the end, or before the model was exported
+        if meta["extra"]["config"]["num_epochs"] != plan.saved["num_epochs"]:
+            return None  # the end of fewer epochs than config.json's: an extension killed early
         exported.append(os.stat(model).st_mtime_ns)
         epochs = metrics.read(os.path.join(run_dir, "metrics.jsonl"), "epoch")
         if not epochs:
