@@ -55,7 +55,7 @@ from dgrad.schedule import (
     Unit,
     WeightGradient,
 )
-from dgrad.stage import Calls, LossFn, Residuals, StageFunctions, shape_dtype
+from dgrad.stage import Calls, Given, LossFn, Residuals, StageFunctions, Vars, shape_dtype
 from dgrad.state import Message, PipelineState, StageState, stage_specs, structure
 
 
@@ -192,7 +192,8 @@ class Pipeline:
             )
             for k, module in enumerate(stages)
         ]
-        self._calls: list[Calls] = [fns.calls for fns in self.stages]
+        self._calls: list[Calls] = []  # each stage's, compiled for its records by `init`
+        self._watch = None  # see `observed`
         self._fused = jax.jit(self._fused_step, donate_argnums=(0, 1, 2))
         self._microbatches = jax.jit(
             functools.partial(_cut, count=options.microbatches),
@@ -262,11 +263,10 @@ class Pipeline:
         [(0, 'forward'), (0, 'forward'), (1, 'loss_step')]
         """
         view = copy.copy(self)
-        view._calls = [
-            Calls(*(wrap(k, name, fn) for name, fn in zip(Calls._fields, fns.undonated())))
-            for k, fns in enumerate(self.stages)
-        ]
+        view._watch = wrap
         view._fused = wrap(0, "fused_step", jax.jit(self._fused_step))
+        if self.specs is not None:
+            view._calls = view._compile()
         return view
 
     # ------------------------------------------------------------------ init
@@ -313,9 +313,24 @@ class Pipeline:
             for fns, stage in zip(self.stages, stages):
                 if fns.predict_ahead:
                     momentum_of(stage.opt_state)  # raises if the optimizer has no momentum
+        self._calls = self._compile()
         none = (None,) * self.num_stages
         finite = self.placement.put(jnp.array(True), self.num_stages - 1)
         return PipelineState(0, tuple(stages), none, none, finite)
+
+    def _compile(self) -> list[Calls]:
+        """Each stage's calls, compiled for its records' layout (undonated and wrapped in
+        `observed`'s watcher where there is one)."""
+        calls = [
+            fns.compile(spec.residual_layout, donate=self._watch is None)
+            for fns, spec in zip(self.stages, self.specs)
+        ]
+        if self._watch is None:
+            return calls
+        return [
+            Calls(*(self._watch(k, name, fn) for name, fn in zip(Calls._fields, stage_calls)))
+            for k, stage_calls in enumerate(calls)
+        ]
 
     def model_flops(self) -> float:
         """A training step's model FLOPs, as XLA counts them: three times the forward of
@@ -442,131 +457,146 @@ class Pipeline:
     def _do_forward(self, call: Forward, work: _Work) -> None:
         k, stage = call.stage, work.stages[call.stage]
         message = work.activations.pop((k, call.unit))
-        params = stage.previous if call.previous else stage.params
-        opt_state = self.stages[k].forward_reads(stage.opt_state)
-        y, rest, record = self._calls[k].forward(params, stage.rest, opt_state, message.value)
-        work.stages[k] = stage.replace(rest=rest).keep(record, call.unit)
-        self._send_on(k, work, call.unit, y, message.labels)
+        given = Given(
+            params=stage.previous if call.previous else stage.params,
+            rest=stage.rest,
+            opt_state=self.stages[k].forward_reads(stage.opt_state),
+            x=message.value,
+        )
+        changed, out = self._calls[k].forward(Vars(), given)
+        work.stages[k] = stage.replace(rest=changed.rest).keep(out.record, call.unit)
+        self._send_on(k, work, call.unit, out.y, message.labels)
 
     def _do_backward_forward(self, call: BackwardForward, work: _Work) -> None:
         k = call.stage
         message = work.activations.pop((k, call.forward))
         received = work.cotangents.pop((k, call.backward))
         record, stage = work.stages[k].take(call.backward, k)
-        params, rest, opt_state, cotangent, y, kept = self._calls[k].step(
-            stage.params,
-            stage.rest,
-            stage.opt_state,
-            record,
-            received.value,
-            message.value,
-            self.specs[k].residual_layout,
-            call.update_first,
+        changed, out = self._calls[k].step(
+            Vars(stage.params, stage.rest, stage.opt_state),
+            Given(
+                record=record,
+                cotangent=received.value,
+                x=message.value,
+                update_first=call.update_first,
+            ),
         )
-        stage = stage.replace(params=params, rest=rest, opt_state=opt_state)
-        work.stages[k] = stage.keep(kept, call.forward)
-        self._send_back(k, work, call.backward, cotangent)
-        self._send_on(k, work, call.forward, y, message.labels)
+        stage = stage.replace(params=changed.params, rest=changed.rest, opt_state=changed.opt_state)
+        work.stages[k] = stage.keep(out.record, call.forward)
+        self._send_back(k, work, call.backward, out.cotangent)
+        self._send_on(k, work, call.forward, out.y, message.labels)
+
+    def _backward_given(self, k: int, stage, record, cotangent) -> Given:
+        """What a backward of `record` reads: the weights and statistics only where it
+        replays the forward (see `StageFunctions.backward_reads`)."""
+        params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
+        return Given(params=params, rest=rest, record=record, cotangent=cotangent)
 
     def _do_backward(self, call: Backward, work: _Work) -> None:
-        k, layout = call.stage, self.specs[call.stage].residual_layout
+        k = call.stage
         received = work.cotangents.pop((k, call.unit))
         record, stage = work.stages[k].take(call.unit, k)
-        params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
+        given = self._backward_given(k, stage, record, received.value)
         if call.apply:
-            params, opt_state, cotangent = self._calls[k].backward_update(
-                stage.params, rest, stage.opt_state, record, received.value, layout
+            changed, out = self._calls[k].backward_update(
+                Vars(params=stage.params, opt_state=stage.opt_state), given
             )
-            stage = stage.replace(params=params, opt_state=opt_state)
+            stage = stage.replace(params=changed.params, opt_state=changed.opt_state)
         else:
-            work.gradients[k], cotangent = self._calls[k].backward_sum(
-                params, rest, record, received.value, work.gradients.get(k), layout
-            )
+            changed, out = self._calls[k].backward_sum(Vars(grad_sum=work.gradients.get(k)), given)
+            work.gradients[k] = changed.grad_sum
         work.stages[k] = stage
-        self._send_back(k, work, call.unit, cotangent)
+        self._send_back(k, work, call.unit, out.cotangent)
 
     def _do_input_gradient(self, call: InputGradient, work: _Work) -> None:
-        k, layout = call.stage, self.specs[call.stage].residual_layout
+        k = call.stage
         received = work.cotangents.pop((k, call.unit))
         record, stage = work.stages[k].take(call.unit, k)
-        params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
-        cotangent = self._calls[k].backward_input(params, rest, record, received.value, layout)
+        given = self._backward_given(k, stage, record, received.value)
+        _, out = self._calls[k].backward_input(Vars(), given)
         work.stages[k] = stage
         work.weights_due[(k, call.unit)] = (record, received.value)
-        self._send_back(k, work, call.unit, cotangent)
+        self._send_back(k, work, call.unit, out.cotangent)
 
     def _do_weight_gradient(self, call: WeightGradient, work: _Work) -> None:
         k, stage = call.stage, work.stages[call.stage]
         record, cotangent = work.weights_due.pop((k, call.unit))
-        params, rest = self.stages[k].backward_reads(stage.params, stage.rest)
-        work.gradients[k] = self._calls[k].backward_weights(
-            params,
-            rest,
-            record,
-            cotangent,
-            work.gradients.get(k),
-            self.specs[k].residual_layout,
+        changed, _ = self._calls[k].backward_weights(
+            Vars(grad_sum=work.gradients.get(k)),
+            self._backward_given(k, stage, record, cotangent),
         )
+        work.gradients[k] = changed.grad_sum
 
     def _do_loss_input(self, call: LossInput, work: _Work) -> None:
         k, stage = call.stage, work.stages[call.stage]
         message = work.activations.pop((k, call.unit))
-        record, seed, rest, cotangent, work.metric_sum, work.finite = self._calls[k].loss_input(
-            stage.params, stage.rest, message.value, message.labels, work.metric_sum, work.finite
+        changed, out = self._calls[k].loss_input(
+            Vars(metrics=work.metric_sum),
+            Given(
+                params=stage.params,
+                rest=stage.rest,
+                x=message.value,
+                labels=message.labels,
+                finite=work.finite,
+            ),
         )
-        work.stages[k] = stage.replace(rest=rest)
-        work.weights_due[(k, call.unit)] = (record, seed)
+        work.stages[k] = stage.replace(rest=changed.rest)
+        work.metric_sum, work.finite = changed.metrics, changed.finite
+        work.weights_due[(k, call.unit)] = (out.record, out.seed)
         work.loss_of, work.loss_count = call.unit[0], work.loss_count + 1
-        self._send_back(k, work, call.unit, cotangent)
+        self._send_back(k, work, call.unit, out.cotangent)
 
     def _do_loss(self, call: Loss, work: _Work) -> None:
         k, stage = call.stage, work.stages[call.stage]
         message = work.activations.pop((k, call.unit))
+        batch = Given(x=message.value, labels=message.labels, finite=work.finite)
         if call.apply:
-            params, opt_state, rest, cotangent, metrics, work.finite = self._calls[k].loss_step(
-                stage.params,
-                stage.rest,
-                stage.opt_state,
-                message.value,
-                message.labels,
-                work.finite,
+            changed, out = self._calls[k].loss_step(
+                Vars(stage.params, stage.rest, stage.opt_state), batch
             )
-            work.stages[k] = stage.replace(params=params, rest=rest, opt_state=opt_state)
-            work.loss_of, work.metric_sum, work.loss_count = call.unit, metrics, 1
+            work.stages[k] = stage.replace(
+                params=changed.params, rest=changed.rest, opt_state=changed.opt_state
+            )
+            work.loss_of, work.loss_count = call.unit, 1
         else:
-            params = stage.previous if call.previous else stage.params
-            work.gradients[k], rest, cotangent, work.metric_sum, work.finite = self._calls[
-                k
-            ].loss_sum(
-                params,
-                stage.rest,
-                message.value,
-                message.labels,
-                work.gradients.get(k),
-                work.metric_sum,
-                work.finite,
+            changed, out = self._calls[k].loss_sum(
+                Vars(grad_sum=work.gradients.get(k), metrics=work.metric_sum),
+                batch.replace(
+                    params=stage.previous if call.previous else stage.params, rest=stage.rest
+                ),
             )
-            work.stages[k] = stage.replace(rest=rest)
+            work.stages[k] = stage.replace(rest=changed.rest)
+            work.gradients[k] = changed.grad_sum
             work.loss_of, work.loss_count = call.unit[0], work.loss_count + 1
-        self._send_back(k, work, call.unit, cotangent)
+        work.metric_sum, work.finite = changed.metrics, changed.finite
+        self._send_back(k, work, call.unit, out.cotangent)
 
     def _do_local_loss(self, call: LocalLoss, work: _Work) -> None:
         k, stage = call.stage, work.stages[call.stage]
         message = work.activations.pop((k, call.unit))
-        params, opt_state, rest, y, _ = self._calls[k].aux_step(
-            stage.params, stage.rest, stage.opt_state, message.value, message.labels
+        changed, out = self._calls[k].aux_step(
+            Vars(stage.params, stage.rest, stage.opt_state),
+            Given(x=message.value, labels=message.labels),
         )
-        work.stages[k] = stage.replace(params=params, opt_state=opt_state, rest=rest)
-        self._send_on(k, work, call.unit, y, message.labels)
+        work.stages[k] = stage.replace(
+            params=changed.params, rest=changed.rest, opt_state=changed.opt_state
+        )
+        self._send_on(k, work, call.unit, out.y, message.labels)
 
     def _do_apply(self, call: Apply, work: _Work) -> None:
         k, stage = call.stage, work.stages[call.stage]
-        stale = stage.previous if call.keep_previous else None
-        params, opt_state = self._calls[k].apply_sum(
-            stage.params, stage.opt_state, work.gradients.pop(k), call.count, stale
+        changed, _ = self._calls[k].apply_sum(
+            Vars(opt_state=stage.opt_state, grad_sum=work.gradients.pop(k)),
+            Given(
+                params=stage.params,
+                stale=stage.previous if call.keep_previous else None,
+                count=call.count,
+            ),
         )
         previous = stage.params if call.keep_previous else stage.previous
-        work.stages[k] = stage.replace(params=params, opt_state=opt_state, previous=previous)
+        work.stages[k] = stage.replace(
+            params=changed.params, opt_state=changed.opt_state, previous=previous
+        )
 
     def _do_fused(self, call: Fused, work: _Work) -> None:
         message = work.activations.pop((0, call.unit))
@@ -648,7 +678,8 @@ class Pipeline:
         """
         x = self.placement.put_batch(inputs, 0)
         for k, stage in enumerate(state.stages):
-            x = self._calls[k].predict(stage.params, stage.rest, self._move(x, max(k - 1, 0), k))
+            given = Given(params=stage.params, rest=stage.rest, x=self._move(x, max(k - 1, 0), k))
+            x = self._calls[k].predict(Vars(), given)[1].y
         return x
 
     def _evaluation_sums_fn(self, outputs, labels, mask):

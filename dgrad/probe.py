@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from dgrad.stage import Given, Vars
+
 if TYPE_CHECKING:
     from dgrad.placement import Placement
     from dgrad.schedule import Schedule
@@ -99,25 +101,26 @@ class Probe:
         """Stage k's gradient in the coming step (None where that step computes it from the
         current weights of every stage: the fresh gradient itself), and the weights of its
         batch's forward (NaN where the stage does not keep them)."""
-        stage, last, calls = state.stages[k], len(self.stages) - 1, self.stages[k].calls
+        stage, last = state.stages[k], len(self.stages) - 1
+        calls, given = self.stages[k].compile(spec.residual_layout), Given(stage.params, stage.rest)
         if self.schedule.trains_locally(k):
             if k == 0:
                 x, labels = self.placement.move(known[batch], 0, k)
             else:
                 x, labels = state.activations[k].value, state.activations[k].labels
-            return calls.aux_gradient(stage.params, stage.rest, x, labels), stage.params
+            grads = calls.aux_gradient(Vars(), given.replace(x=x, labels=labels))[1].grads
+            return grads, stage.params
         if k == last:
             message = state.activations[k]
             if message is None:  # its input is this step's forward at the current weights
                 return None, stage.params
-            grads = calls.loss_gradient(stage.params, stage.rest, message.value, message.labels)
-            return grads, stage.params
+            given = given.replace(x=message.value, labels=message.labels)
+            return calls.loss_gradient(Vars(), given)[1].grads, stage.params
         if batch not in stage.kept_batches:  # this step's forward at the current weights
             return None, stage.params
         record, received = stage.take(batch, k)[0], state.cotangents[k]
-        grads = calls.gradient(
-            record, stage.params, stage.rest, received.value, spec.residual_layout
-        )
+        given = given.replace(record=record, cotangent=received.value)
+        grads = calls.gradient(Vars(), given)[1].grads
         forward_weights = getattr(record, "params", None)
         if forward_weights is None:
             forward_weights = jax.tree.map(lambda w: jnp.full_like(w, jnp.nan), stage.params)

@@ -28,27 +28,32 @@ takes them as they are), and jits the few pure functions a pipeline calls, its
 - `gradient`, `loss_gradient`, `aux_gradient`: the parameter gradient alone
   (for the staleness probe).
 
-Given a `Placement`'s shardings, the functions keep parameters, statistics and
-optimizer state replicated on the stage's devices and activations and
-cotangents split along the batch.
+Every call has one signature, `call(Vars, Given) -> (Vars, Out)`: the stage's state
+it consumes (`Vars`, donated) and what it only reads (`Given`) in; the state it
+changed and what it sends on (`Out`) out. A call is given only the fields it
+touches. The options, the stage's place (its shardings: state replicated on the
+stage's devices, what it sends split along the batch) and the layout of its
+records are bound when it is compiled (`StageFunctions.compile`).
 
 >>> import jax, jax.numpy as jnp, optax
 >>> from flax import nnx
 >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
->>> params, rest = fns.params, fns.rest
->>> opt_state = fns.optimizer.init(params)
->>> y, rest, record = fns.calls.forward(params, rest, opt_state, jnp.ones((4, 3)))
->>> type(record).__name__, y.shape
-('Residuals', (4, 2))
->>> layout = fns.residual_layout(params, rest, jnp.ones((4, 3)))
->>> params, opt_state, cotangent = fns.calls.backward_update(
-...     params, rest, opt_state, record, jnp.ones_like(y), layout)
->>> cotangent is None  # the first stage sends no cotangent
-True
+>>> x = jnp.ones((4, 3))
+>>> calls = fns.compile(fns.residual_layout(fns.params, fns.rest, x))
+>>> params, opt_state = fns.params, fns.optimizer.init(fns.params)
+>>> changed, out = calls.forward(Vars(), Given(params=params, rest=fns.rest, x=x))
+>>> type(out.record).__name__, out.y.shape, sorted(changed.rest)  # a Linear has no statistics
+('Residuals', (4, 2), [])
+>>> changed, sent = calls.backward_update(
+...     Vars(params=params, opt_state=opt_state),
+...     Given(record=out.record, cotangent=jnp.ones_like(out.y)))
+>>> sorted(changed.params), sent.cotangent is None  # the first stage sends no cotangent
+(['bias', 'kernel'], True)
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -78,8 +83,7 @@ class Residuals:
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
-    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
-    ...                                  jnp.ones((4, 3)))
+    >>> _, _, record = fns.forward_record(fns.params, fns.rest, None, jnp.ones((4, 3)))
     >>> type(record).__name__, record.params  # plain SGD reads no stale weights: none kept
     ('Residuals', None)
     """
@@ -97,8 +101,7 @@ class Inputs:
     >>> from dgrad.options import Options
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
     ...                      options=Options(method="fr"))  # weights=current, memory=recompute
-    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
-    ...                                  jnp.ones((4, 3)))
+    >>> _, _, record = fns.forward_record(fns.params, fns.rest, None, jnp.ones((4, 3)))
     >>> type(record).__name__, record.inputs.shape
     ('Inputs', (4, 3))
     """
@@ -115,8 +118,7 @@ class StashedInputs:
     >>> from dgrad.options import Options
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
     ...                      options=Options(memory="recompute"))  # weights=stash
-    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, fns.optimizer.init(fns.params),
-    ...                                  jnp.ones((4, 3)))
+    >>> _, _, record = fns.forward_record(fns.params, fns.rest, None, jnp.ones((4, 3)))
     >>> type(record).__name__, record.inputs.shape, sorted(record.params)
     ('StashedInputs', (4, 3), ['bias', 'kernel'])
     """
@@ -140,14 +142,14 @@ class ResidualLayout:
     and scales: 63 of its 108 leaves hold 0.1 MiB of 34). The small ones that do not grow
     with the batch (at most `PACKED_BYTES` each) are kept concatenated; `unpack` cuts
     them out again, exactly. Tracing is deterministic, so every forward of the same shapes
-    gives the same layout; it is a static argument of the backward calls, hashed once.
+    gives the same layout; it is bound into the backward calls when they are compiled.
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
     >>> fns = StageFunctions(nnx.BatchNorm(3, rngs=nnx.Rngs(0)), optax.sgd(0.1))
     >>> x = jnp.ones((8, 3))
     >>> layout = fns.residual_layout(fns.params, fns.rest, x)
-    >>> _, _, record = fns.calls.forward(fns.params, fns.rest, None, x)
+    >>> _, _, record = fns.forward_record(fns.params, fns.rest, None, x)
     >>> layout.num_leaves, len(record.residuals)  # six small leaves kept in one array
     (8, 3)
     >>> vjp = layout.unpack(record.residuals)  # the VJP again, to back-propagate through
@@ -156,7 +158,7 @@ class ResidualLayout:
     (['bias', 'scale'], (8, 3))
     """
 
-    __slots__ = ("treedef", "batch_major", "packed", "_positions", "_key", "_hash")
+    __slots__ = ("treedef", "batch_major", "packed", "_positions", "_key")
 
     def __init__(self, treedef, batch_major=None, packed=()):
         self.treedef = treedef
@@ -168,7 +170,6 @@ class ResidualLayout:
             None if i in inside else next(apart) for i in range(treedef.num_leaves)
         )
         self._key = (treedef, self.batch_major, self.packed)
-        self._hash = hash(self._key)
 
     @classmethod
     def of(cls, shapes, twice, rows: int):
@@ -269,28 +270,91 @@ class ResidualLayout:
         ordered = [leaves[i] if at is None else stored[at] for i, at in enumerate(self._positions)]
         return jax.tree.unflatten(self.treedef, ordered)
 
-    def __hash__(self):
-        return self._hash
-
     def __eq__(self, other):
         return self is other or (isinstance(other, ResidualLayout) and self._key == other._key)
+
+    __hash__ = None  # bound into a stage's functions, never a static argument
 
     def __repr__(self):
         return f"ResidualLayout({self.num_leaves} leaves, {len(self.packed)} packed)"
 
 
+@struct.dataclass
+class Vars:
+    """A stage's state as a call takes it and gives it back: the call is given the fields
+    it donates (consumes) and returns those it changes; None where it does not (no
+    leaves, nothing to dispatch). `metrics` and `finite` are the last stage's: the sums of
+    the step's metrics and whether every loss so far was finite.
+
+    >>> import jax.numpy as jnp
+    >>> Vars(params={"w": jnp.ones(2)}).replace(grad_sum={"w": jnp.zeros(2)}).rest is None
+    True
+    """
+
+    params: Any = None
+    rest: Any = None
+    opt_state: Any = None
+    grad_sum: Any = None
+    metrics: Any = None
+    finite: Any = None
+
+
+@struct.dataclass
+class Given:
+    """What a call reads without consuming: the weights, statistics and optimizer state it
+    only reads, its input `x` and `labels`, the `record` kept by its batch's forward and
+    the `cotangent` received for it, the weights a gradient was taken at (`stale`), and
+    how many gradients a sum holds (`count`). `update_first` (static) is FDG's order in
+    `step`: the update before the forward.
+
+    >>> import jax.numpy as jnp
+    >>> Given(x=jnp.ones((4, 3))).record is None
+    True
+    """
+
+    params: Any = None
+    rest: Any = None
+    opt_state: Any = None
+    x: Any = None
+    labels: Any = None
+    record: Any = None
+    cotangent: Any = None
+    stale: Any = None
+    count: Any = None
+    finite: Any = None
+    update_first: bool = struct.field(pytree_node=False, default=False)
+
+
+@struct.dataclass
+class Out:
+    """What a call sends beyond its stage: `y` on to the next stage, `cotangent` back to
+    the one before, the `record` its stage keeps for the batch's backward, the `seed` of
+    the loss's VJP (zero-bubble's last stage) and the gradient `grads` (the probe's).
+
+    >>> Out().y is None
+    True
+    """
+
+    y: Any = None
+    cotangent: Any = None
+    record: Any = None
+    seed: Any = None
+    grads: Any = None
+
+
 class Calls(NamedTuple):
-    """A stage's jitted functions (see the module docstring for what each does).
+    """A stage's jitted functions (see the module docstring for what each does), each
+    `function(Vars, Given) -> (Vars, Out)`, donating the `Vars` it is given.
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
     >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
-    >>> opt_state = fns.optimizer.init(fns.params)
-    >>> y, rest, record = fns.calls.forward(fns.params, fns.rest, opt_state, jnp.ones((4, 3)))
-    >>> layout = fns.residual_layout(fns.params, fns.rest, jnp.ones((4, 3)))
-    >>> grads, _ = fns.calls.backward_sum(fns.params, fns.rest, record, jnp.ones_like(y), None,
-    ...                                   layout)
-    >>> grads["bias"]  # d(sum of outputs)/d(bias): one per row of the batch
+    >>> x = jnp.ones((4, 3))
+    >>> calls = fns.compile(fns.residual_layout(fns.params, fns.rest, x))
+    >>> _, out = calls.forward(Vars(), Given(params=fns.params, rest=fns.rest, x=x))
+    >>> state, _ = calls.backward_sum(
+    ...     Vars(), Given(record=out.record, cotangent=jnp.ones_like(out.y)))
+    >>> state.grad_sum["bias"]  # d(sum of outputs)/d(bias): one per row of the batch
     Array([4., 4.], dtype=float32)
     """
 
@@ -311,24 +375,14 @@ class Calls(NamedTuple):
     aux_gradient: Callable
 
 
-# How each function is jitted. A jitted call's outputs never share buffers with its
-# arguments, so the records a stage keeps survive the donation of the state they came from.
-_JIT_OPTIONS = Calls(
-    forward={},
-    step={"donate_argnums": (0, 1, 2), "static_argnums": (6, 7)},
-    backward_update={"donate_argnums": (0, 2), "static_argnums": (5,)},
-    backward_sum={"donate_argnums": (4,), "static_argnums": (5,)},
-    backward_input={"static_argnums": (4,)},
-    backward_weights={"donate_argnums": (4,), "static_argnums": (5,)},
-    apply_sum={"donate_argnums": (1, 2)},  # the weights before it may be kept (2BW)
-    loss_step={"donate_argnums": (0, 1, 2)},
-    loss_sum={"donate_argnums": (4, 5)},
-    loss_input={"donate_argnums": (4,)},
-    aux_step={"donate_argnums": (0, 1, 2)},
-    predict={},
-    gradient={"static_argnums": (4,)},
-    loss_gradient={},
-    aux_gradient={},
+# The calls that back-propagate a kept record, and so read the stage's residual layout.
+_READS_LAYOUT = (
+    "step",
+    "backward_update",
+    "backward_sum",
+    "backward_input",
+    "backward_weights",
+    "gradient",
 )
 
 
@@ -369,7 +423,7 @@ def _constrain(tree, sharding):
 
 
 class StageFunctions:
-    """The jitted pure functions of one stage.
+    """The pure functions of one stage, and their jitted `Calls`.
 
     Args:
       module: the stage, an initialised NNX module. It is not modified.
@@ -425,28 +479,48 @@ class StageFunctions:
                 "(delay compensation) has no one set of them to read; use accumulate=1 with it."
             )
         self.keeps_forward_weights = options.probe_every is not None or reads_stale
-        self.calls = Calls(
-            *(jax.jit(fn, **jit) for fn, jit in zip(self._pure_functions(), _JIT_OPTIONS))
+        # Where each output lives: the stage's state replicated on its devices, what it
+        # sends split along the batch (a record's leaves are placed as it is made).
+        self._out_shardings = (
+            Vars(replicated, replicated, replicated, replicated, replicated, None),
+            Out(sharded, sharded, None, None, None),
         )
+        self._compiled: list[tuple[ResidualLayout | None, bool, Calls]] = []
 
-    def _pure_functions(self) -> Calls:
-        return Calls(*(getattr(self, f"_{name}") for name in Calls._fields))
-
-    def undonated(self) -> Calls:
-        """The same functions jitted without buffer donation (for watching their inputs).
+    def compile(self, layout: ResidualLayout | None = None, *, donate: bool = True) -> Calls:
+        """The stage's `Calls`, jitted once for records of `layout` (see `residual_layout`;
+        None where no record of the forward's VJP is back-propagated) and kept; with
+        `donate=False`, copies that donate nothing (for watching their inputs).
 
         >>> import jax.numpy as jnp, optax
         >>> from flax import nnx
         >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1), first=True)
-        >>> fns.undonated().predict(fns.params, fns.rest, jnp.ones((4, 3))).shape
-        (4, 2)
+        >>> _, out = fns.compile().predict(Vars(), Given(params=fns.params, rest=fns.rest,
+        ...                                              x=jnp.ones((4, 3))))
+        >>> out.y.shape, fns.compile() is fns.compile()
+        ((4, 2), True)
         """
-        return Calls(
+        for bound, donated, calls in self._compiled:
+            if bound == layout and donated == donate:
+                return calls
+        jit = {"out_shardings": self._out_shardings}
+        if donate:
+            jit["donate_argnames"] = "state"
+        calls = Calls(
             *(
-                jax.jit(fn, static_argnums=jit.get("static_argnums"))
-                for fn, jit in zip(self._pure_functions(), _JIT_OPTIONS)
+                jax.jit(
+                    functools.partial(function, layout=layout)
+                    if name in _READS_LAYOUT
+                    else function,
+                    **jit,
+                )
+                for name, function in zip(
+                    Calls._fields, (getattr(self, f"_{name}") for name in Calls._fields)
+                )
             )
         )
+        self._compiled.append((layout, donate, calls))
+        return calls
 
     def forward_reads(self, opt_state):
         """The optimizer state `forward` reads: `opt_state` where the stage predicts the
@@ -482,11 +556,11 @@ class StageFunctions:
         >>> from flax import nnx
         >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
         >>> x = jnp.ones((4, 3))
-        >>> _, _, record = fns.calls.forward(fns.params, fns.rest, None, x)
         >>> layout = fns.residual_layout(fns.params, fns.rest, x)
         >>> layout.batch_major  # the kernel does not grow with the batch; the input does
         (False, True)
-        >>> jax.tree.map(jnp.shape, record.residuals)  # the kernel (3 x 2) kept flat
+        >>> _, out = fns.compile(layout).forward(Vars(), Given(params=fns.params, x=x, rest={}))
+        >>> jax.tree.map(jnp.shape, out.record.residuals)  # the kernel (3 x 2) kept flat
         [(4, 3), (6,)]
         """
         rows = jnp.shape(x)[0]
@@ -512,7 +586,7 @@ class StageFunctions:
             for leaf, grows in zip(residuals, layout.batch_major)
         ]
 
-    # ------------------------------------------------------- pure functions
+    # ------------------------------------------------------- the stage's maths
 
     def apply(self, params, rest, x, train: bool = True):
         """Runs the stage; returns its output and its updated non-parameter state.
@@ -565,8 +639,16 @@ class StageFunctions:
             return extrapolate_weights(params, opt_state, self.predict_ahead)
         return predict_weights(params, opt_state, self.predict_ahead, self.options.predict_lr)
 
-    def _forward(self, params, rest, opt_state, x):
-        """Forwards `x`; returns the output, the new statistics and the record to keep."""
+    def forward_record(self, params, rest, opt_state, x):
+        """Forwards `x`; returns the output, the new statistics and the record to keep.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1))
+        >>> y, rest, record = fns.forward_record(fns.params, fns.rest, None, jnp.ones((4, 3)))
+        >>> y.shape, type(record).__name__
+        ((4, 2), 'Residuals')
+        """
         params = self._forward_weights(params, opt_state)
         if self.options.memory == "recompute":
             y, new_rest = self.apply(params, rest, x)
@@ -580,7 +662,7 @@ class StageFunctions:
             layout = self.residual_layout(params, rest, x)
             residuals = layout.pack(self._split_like_the_batch(jax.tree.leaves(vjp), layout))
             record = Residuals(residuals, params if self.keeps_forward_weights else None)
-        return _constrain(y, self.sharded), _constrain(new_rest, self.replicated), record
+        return y, new_rest, record
 
     def _backward(self, record: Record, params, rest, cotangent, layout):
         """The parameter gradient and input cotangent of `record`'s batch (`layout`: see
@@ -591,60 +673,17 @@ class StageFunctions:
             if isinstance(record, StashedInputs):
                 params, rest = record.params, record.rest
             cotangents = self._vjp(params, rest, record.inputs)[1](cotangent)
-        grads, input_cotangent = (cotangents[0], None) if self.first else cotangents
-        return grads, _constrain(input_cotangent, self.sharded)
-
-    def _gradient(self, record: Record, params, rest, cotangent, layout=None):
-        """The parameter gradient of `record`'s batch (what `backward_update` applies)."""
-        return self._backward(record, params, rest, cotangent, layout)[0]
+        return (cotangents[0], None) if self.first else cotangents
 
     @staticmethod
     def _stale(record: Record):
         """The weights `record`'s gradient is taken at; None means the current ones."""
         return None if isinstance(record, Inputs) else record.params
 
-    def _backward_update(self, params, rest, opt_state, record, cotangent, layout=None):
-        """Back-propagates `record`'s batch and updates; returns the input cotangent too."""
+    def _backward_and_update(self, params, rest, opt_state, record, cotangent, layout):
         grads, input_cotangent = self._backward(record, params, rest, cotangent, layout)
         params, opt_state = self.apply_optimizer(params, opt_state, grads, self._stale(record))
         return params, opt_state, input_cotangent
-
-    def _backward_sum(self, params, rest, record, cotangent, grad_sum, layout=None):
-        """Back-propagates `record`'s batch; returns `grad_sum` plus its parameter gradient
-        (the gradient alone where `grad_sum` is None) and the input cotangent."""
-        grads, input_cotangent = self._backward(record, params, rest, cotangent, layout)
-        if grad_sum is not None:
-            grads = jax.tree.map(jnp.add, grad_sum, grads)
-        return _constrain(grads, self.replicated), input_cotangent
-
-    def _backward_input(self, params, rest, record, cotangent, layout=None):
-        """The input cotangent of `record`'s batch alone (zero-bubble's B)."""
-        return self._backward(record, params, rest, cotangent, layout)[1]
-
-    def _backward_weights(self, params, rest, record, cotangent, grad_sum, layout=None):
-        """`grad_sum` plus the parameter gradient of `record`'s batch alone (zero-bubble's
-        W); `record` may be the last stage's `loss_input` VJP, `cotangent` its seed."""
-        return self._backward_sum(params, rest, record, cotangent, grad_sum, layout)[0]
-
-    def _apply_sum(self, params, opt_state, grad_sum, count, stale_params=None):
-        """One update with the mean of the `count` gradients in `grad_sum`."""
-        grads = jax.tree.map(lambda g: g / count, grad_sum)
-        return self.apply_optimizer(params, opt_state, grads, stale_params)
-
-    def _step(self, params, rest, opt_state, record, cotangent, x, layout=None, update_first=False):
-        """Backward + update of `record`'s batch and forward of `x`, the update first if
-        `update_first` (FDG), else the forward first (DDG)."""
-        if update_first:
-            params, opt_state, input_cotangent = self._backward_update(
-                params, rest, opt_state, record, cotangent, layout
-            )
-            y, rest, kept = self._forward(params, rest, opt_state, x)
-        else:
-            y, rest, kept = self._forward(params, rest, opt_state, x)
-            params, opt_state, input_cotangent = self._backward_update(
-                params, rest, opt_state, record, cotangent, layout
-            )
-        return params, rest, opt_state, input_cotangent, y, kept
 
     def _loss_and_backward(self, params, rest, x, labels):
         def loss(params, x):
@@ -658,42 +697,6 @@ class StageFunctions:
         )(params, x)
         grads, cotangent = (grads, None) if self.first else grads
         return grads, cotangent, new_rest, {"loss": value, **metrics}
-
-    def _loss_step(self, params, rest, opt_state, x, labels, finite):
-        """Loss, backward and update of the last stage in one function.
-
-        Returns the new params, optimizer state and statistics, the input
-        cotangent (None on a single stage), the metrics, and `finite` and-ed with
-        whether this loss is finite.
-        """
-        grads, cotangent, rest, metrics = self._loss_and_backward(params, rest, x, labels)
-        params, opt_state = self.apply_optimizer(params, opt_state, grads)
-        finite = finite & jnp.isfinite(metrics["loss"])
-        return (
-            params,
-            opt_state,
-            _constrain(rest, self.replicated),
-            _constrain(cotangent, self.sharded),
-            _constrain(metrics, self.replicated),
-            finite,
-        )
-
-    def _loss_sum(self, params, rest, x, labels, grad_sum, metric_sum, finite):
-        """Loss and backward of the last stage, its gradient and metrics added to sums
-        (started where they are None); returns the sums, the new statistics, the input
-        cotangent and `finite` and-ed with whether this loss is finite."""
-        grads, cotangent, rest, metrics = self._loss_and_backward(params, rest, x, labels)
-        if grad_sum is not None:
-            grads = jax.tree.map(jnp.add, grad_sum, grads)
-            metrics = jax.tree.map(jnp.add, metric_sum, metrics)
-        finite = finite & jnp.isfinite(metrics["loss"])
-        return (
-            _constrain(grads, self.replicated),
-            _constrain(rest, self.replicated),
-            _constrain(cotangent, self.sharded),
-            _constrain(metrics, self.replicated),
-            finite,
-        )
 
     def _loss_vjp(self, params, rest, x, labels):
         """`(loss, vjp, (metrics, new_rest))` of the last stage, w.r.t. params and x."""
@@ -714,9 +717,10 @@ class StageFunctions:
         >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
         ...                      loss_fn=losses.softmax_cross_entropy)
         >>> x, labels = jnp.ones((4, 3)), jnp.array([0, 1, 0, 1])
-        >>> record, *_ = fns.calls.loss_input(fns.params, fns.rest, x, labels, None, True)
+        >>> _, out = fns.compile().loss_input(Vars(), Given(
+        ...     params=fns.params, rest=fns.rest, x=x, labels=labels, finite=True))
         >>> fns.loss_residual_layout(fns.params, fns.rest, x, labels).num_leaves == len(
-        ...     record.residuals)
+        ...     out.record.residuals)
         True
         """
         shapes = jax.tree.map(shape_dtype, (params, rest, x, labels))
@@ -724,61 +728,142 @@ class StageFunctions:
             jax.tree.structure(jax.eval_shape(lambda *a: self._loss_vjp(*a)[1], *shapes))
         )
 
-    def _loss_input(self, params, rest, x, labels, metric_sum, finite):
-        """The last stage's loss and input cotangent, its metrics added to `metric_sum`
-        (started where it is None); the loss's VJP is kept for `backward_weights`.
-
-        Returns the record, the seed cotangent `backward_weights` back-propagates (ones
-        like the loss), the new statistics, the input cotangent, the metric sum and
-        `finite` and-ed with whether this loss is finite.
-        """
-        value, vjp, (metrics, new_rest) = self._loss_vjp(params, rest, x, labels)
-        seed = jnp.ones_like(value)
-        cotangent = vjp(seed)[1]
-        metrics = {"loss": value, **metrics}
-        if metric_sum is not None:
-            metrics = jax.tree.map(jnp.add, metric_sum, metrics)
-        finite = finite & jnp.isfinite(value)
-        return (
-            Residuals(jax.tree.leaves(vjp), None),
-            seed,
-            _constrain(new_rest, self.replicated),
-            _constrain(cotangent, self.sharded),
-            _constrain(metrics, self.replicated),
-            finite,
-        )
-
-    def _loss_gradient(self, params, rest, x, labels):
-        """The last stage's parameter gradient of its loss on `x` (what `loss_step` applies)."""
-        return self._loss_and_backward(params, rest, x, labels)[0]
-
     def _auxiliary_loss(self, params, rest, x, labels):
         model = nnx.merge(self.train_graph, params, rest, copy=True)
         y, logits = model.auxiliary(x)
         value, metrics = self.loss_fn(logits, labels)
         return value, (y, {"loss": value, **metrics}, split_state(model)[1])
 
-    def _aux_gradient(self, params, rest, x, labels):
-        """A DGL stage's gradient of its auxiliary loss (what `aux_step` applies)."""
-        return jax.grad(self._auxiliary_loss, has_aux=True)(params, rest, x, labels)[0]
+    # --------------------------------- the calls: (Vars, Given) -> (Vars, Out)
 
-    def _aux_step(self, params, rest, opt_state, x, labels):
-        """DGL: forward, the auxiliary head's loss, backward and update in one function.
+    def _forward(self, state: Vars, given: Given):
+        y, rest, record = self.forward_record(given.params, given.rest, given.opt_state, given.x)
+        return Vars(rest=rest), Out(y=y, record=record)
 
-        Returns the new params, optimizer state and statistics, the output for the
-        next stage (from the weights before the update), and the auxiliary metrics.
-        """
+    def _step(self, state: Vars, given: Given, layout=None):
+        """Backward + update of `given.record`'s batch and forward of `given.x`, the update
+        first if `given.update_first` (FDG), else the forward first (DDG)."""
+        params, rest, opt_state = state.params, state.rest, state.opt_state
+        backward = (given.record, given.cotangent, layout)
+        if given.update_first:
+            params, opt_state, cotangent = self._backward_and_update(
+                params, rest, opt_state, *backward
+            )
+            y, rest, kept = self.forward_record(params, rest, opt_state, given.x)
+        else:
+            y, rest, kept = self.forward_record(params, rest, opt_state, given.x)
+            params, opt_state, cotangent = self._backward_and_update(
+                params, rest, opt_state, *backward
+            )
+        return Vars(params, rest, opt_state), Out(y=y, cotangent=cotangent, record=kept)
+
+    def _backward_update(self, state: Vars, given: Given, layout=None):
+        """Back-propagates `given.record`'s batch and updates (`given.rest`: the statistics
+        a recomputed forward reads)."""
+        params, opt_state, cotangent = self._backward_and_update(
+            state.params, given.rest, state.opt_state, given.record, given.cotangent, layout
+        )
+        return Vars(params=params, opt_state=opt_state), Out(cotangent=cotangent)
+
+    def _backward_sum(self, state: Vars, given: Given, layout=None):
+        """Back-propagates `given.record`'s batch, adding its parameter gradient to
+        `state.grad_sum` (started where it is None)."""
+        grads, cotangent = self._backward(
+            given.record, given.params, given.rest, given.cotangent, layout
+        )
+        if state.grad_sum is not None:
+            grads = jax.tree.map(jnp.add, state.grad_sum, grads)
+        return Vars(grad_sum=grads), Out(cotangent=cotangent)
+
+    def _backward_input(self, state: Vars, given: Given, layout=None):
+        """The input cotangent of `given.record`'s batch alone (zero-bubble's B)."""
+        cotangent = self._backward(given.record, given.params, given.rest, given.cotangent, layout)[
+            1
+        ]
+        return Vars(), Out(cotangent=cotangent)
+
+    def _backward_weights(self, state: Vars, given: Given, layout=None):
+        """The parameter gradient of `given.record`'s batch alone (zero-bubble's W) added to
+        `state.grad_sum`; the record may be the last stage's `loss_input` VJP, the
+        cotangent its seed."""
+        return self._backward_sum(state, given, layout)[0], Out()
+
+    def _apply_sum(self, state: Vars, given: Given):
+        """One update of `given.params` with the mean of the `given.count` gradients in
+        `state.grad_sum` (the weights before it may be kept: 2BW)."""
+        grads = jax.tree.map(lambda g: g / given.count, state.grad_sum)
+        params, opt_state = self.apply_optimizer(given.params, state.opt_state, grads, given.stale)
+        return Vars(params=params, opt_state=opt_state), Out()
+
+    def _loss_step(self, state: Vars, given: Given):
+        """The last stage's loss, backward and update; `finite` and-ed with whether this
+        loss is finite."""
+        grads, cotangent, rest, metrics = self._loss_and_backward(
+            state.params, state.rest, given.x, given.labels
+        )
+        params, opt_state = self.apply_optimizer(state.params, state.opt_state, grads)
+        finite = given.finite & jnp.isfinite(metrics["loss"])
+        return Vars(params, rest, opt_state, metrics=metrics, finite=finite), Out(
+            cotangent=cotangent
+        )
+
+    def _loss_sum(self, state: Vars, given: Given):
+        """The last stage's loss and backward, its gradient and metrics added to the sums
+        (started where they are None)."""
+        grads, cotangent, rest, metrics = self._loss_and_backward(
+            given.params, given.rest, given.x, given.labels
+        )
+        if state.grad_sum is not None:
+            grads = jax.tree.map(jnp.add, state.grad_sum, grads)
+            metrics = jax.tree.map(jnp.add, state.metrics, metrics)
+        finite = given.finite & jnp.isfinite(metrics["loss"])
+        return Vars(rest=rest, grad_sum=grads, metrics=metrics, finite=finite), Out(
+            cotangent=cotangent
+        )
+
+    def _loss_input(self, state: Vars, given: Given):
+        """The last stage's loss and input cotangent, its metrics added to the sum (started
+        where it is None); the loss's VJP is kept as the record `backward_weights` takes,
+        with the `seed` it back-propagates (ones like the loss)."""
+        value, vjp, (metrics, rest) = self._loss_vjp(
+            given.params, given.rest, given.x, given.labels
+        )
+        seed = jnp.ones_like(value)
+        cotangent = vjp(seed)[1]
+        metrics = {"loss": value, **metrics}
+        if state.metrics is not None:
+            metrics = jax.tree.map(jnp.add, state.metrics, metrics)
+        finite = given.finite & jnp.isfinite(value)
+        record = Residuals(jax.tree.leaves(vjp), None)
+        return Vars(rest=rest, metrics=metrics, finite=finite), Out(
+            cotangent=cotangent, record=record, seed=seed
+        )
+
+    def _aux_step(self, state: Vars, given: Given):
+        """DGL: forward, the auxiliary head's loss, backward and update; sends the output
+        of the weights before the update."""
         grads, (y, metrics, rest) = jax.grad(self._auxiliary_loss, has_aux=True)(
-            params, rest, x, labels
+            state.params, state.rest, given.x, given.labels
         )
-        params, opt_state = self.apply_optimizer(params, opt_state, grads)
-        return (
-            params,
-            opt_state,
-            _constrain(rest, self.replicated),
-            _constrain(jax.lax.stop_gradient(y), self.sharded),
-            _constrain(metrics, self.replicated),
-        )
+        params, opt_state = self.apply_optimizer(state.params, state.opt_state, grads)
+        return Vars(params, rest, opt_state, metrics=metrics), Out(y=jax.lax.stop_gradient(y))
 
-    def _predict(self, params, rest, x):
-        return _constrain(self.apply(params, rest, x, train=False)[0], self.sharded)
+    def _predict(self, state: Vars, given: Given):
+        return Vars(), Out(y=self.apply(given.params, given.rest, given.x, train=False)[0])
+
+    def _gradient(self, state: Vars, given: Given, layout=None):
+        """The parameter gradient of `given.record`'s batch (what `backward_update` applies)."""
+        grads = self._backward(given.record, given.params, given.rest, given.cotangent, layout)[0]
+        return Vars(), Out(grads=grads)
+
+    def _loss_gradient(self, state: Vars, given: Given):
+        """The last stage's parameter gradient of its loss (what `loss_step` applies)."""
+        grads = self._loss_and_backward(given.params, given.rest, given.x, given.labels)[0]
+        return Vars(), Out(grads=grads)
+
+    def _aux_gradient(self, state: Vars, given: Given):
+        """A DGL stage's gradient of its auxiliary loss (what `aux_step` applies)."""
+        grads = jax.grad(self._auxiliary_loss, has_aux=True)(
+            given.params, given.rest, given.x, given.labels
+        )[0]
+        return Vars(), Out(grads=grads)

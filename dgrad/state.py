@@ -20,7 +20,7 @@ from flax import struct
 from dgrad.options import SPLIT_BACKWARD
 from dgrad.placement import Placement
 from dgrad.schedule import Schedule, Unit
-from dgrad.stage import Record, Residuals, StageFunctions
+from dgrad.stage import Given, Record, Residuals, StageFunctions, Vars
 
 
 @struct.dataclass
@@ -178,7 +178,7 @@ def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageS
             else:
                 opt_state = jax.eval_shape(fns.optimizer.init, fns.params)
                 outputs, _, record = jax.eval_shape(
-                    fns._forward, fns.params, fns.rest, opt_state, shape
+                    fns.forward_record, fns.params, fns.rest, opt_state, shape
                 )
                 layout = None
                 if isinstance(record, Residuals):
@@ -261,15 +261,16 @@ def _record_structure(placement, k: int, fns: StageFunctions, spec: StageSpec, o
     replicated, sharded = placement.replicated(k), placement.sharded(k)
     if placement.data_parallel == 1:  # one device: nothing to ask the compiler
         return _abstract(spec.record, replicated)
-    args = (
-        _abstract(fns.params, replicated),
-        _abstract(fns.rest, replicated),
-        opt_state,
-        _abstract(spec.inputs, sharded),
+    given = Given(
+        params=_abstract(fns.params, replicated),
+        rest=_abstract(fns.rest, replicated),
+        opt_state=fns.forward_reads(opt_state),
+        x=_abstract(spec.inputs, sharded),
     )
-    compiled = jax.jit(fns._forward).lower(*args).compile()
+    forward = fns.compile(spec.residual_layout).forward  # the function the pipeline runs
+    compiled = forward.lower(Vars(), given).compile()
     return jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         spec.record,
-        compiled.output_shardings[2],
+        compiled.output_shardings[1].record,
     )

@@ -8,7 +8,7 @@ from helpers import batches, run_pipeline
 
 import dgrad
 from dgrad.measure.benchmark import state_bytes_per_device
-from dgrad.stage import ResidualLayout, StageFunctions, shape_dtype
+from dgrad.stage import Given, ResidualLayout, StageFunctions, Vars, shape_dtype
 
 SLOW = pytest.mark.slow
 
@@ -99,8 +99,9 @@ def test_a_record_keeps_fewer_arrays_and_gives_the_vjp_bit_for_bit():
 
     stage, x = _resnet_stage_and_input()
     fns = StageFunctions(stage, optax.sgd(0.1), first=True)
-    y, _, record = fns.calls.forward(fns.params, fns.rest, None, x)
     layout = fns.residual_layout(fns.params, fns.rest, x)
+    _, out = fns.compile(layout).forward(Vars(), Given(params=fns.params, rest=fns.rest, x=x))
+    y, record = out.y, out.record
     assert layout.packed and len(record.residuals) < layout.num_leaves
     assert len(record.residuals) == layout.num_leaves - len(layout.packed) + 1  # one dtype
     again = layout.pack(jax.tree.leaves(layout.unpack(record.residuals)))

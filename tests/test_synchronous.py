@@ -379,10 +379,11 @@ def test_pipedream_forwards_and_updates_see_its_weight_versions(num_stages):
     seen = []  # (stage, call, weights it received, weights it returned)
 
     def wrap(k, name, fn):
-        def watched(*args):
-            out = fn(*args)
-            seen.append((k, name, jax.device_get(args[0]), jax.device_get(out[0])))
-            return out
+        def watched(state, given):
+            changed, out = fn(state, given)
+            received = given.params if state.params is None else state.params
+            seen.append((k, name, jax.device_get(received), jax.device_get(changed.params)))
+            return changed, out
 
         return watched
 

@@ -28,7 +28,7 @@ from flax import nnx
 
 from dgrad.models.split import balanced_cuts, check_cuts
 from dgrad.options import Options
-from dgrad.stage import StageFunctions
+from dgrad.stage import Given, StageFunctions, Vars
 
 
 def profile_blocks(
@@ -54,11 +54,14 @@ def profile_blocks(
         fns = StageFunctions(block, optax.identity(), options=replay, first=index == 0)
         params, rest = jax.device_put((fns.params, fns.rest), device)
         opt_state = fns.optimizer.init(params)
-        y, _, record = fns.calls.forward(params, rest, opt_state, x)
-        cotangent = jnp.ones_like(y)
-
-        backward_update = fns.undonated().backward_update  # timed again and again
-        args = (params, rest, opt_state, record, cotangent)
+        _, out = fns.compile().forward(Vars(), Given(params=params, rest=rest, x=x))
+        y, record = out.y, out.record
+        # timed again and again: a copy that donates nothing
+        backward_update = fns.compile(donate=False).backward_update
+        args = (
+            Vars(params=params, opt_state=opt_state),
+            Given(rest=rest, record=record, cotangent=jnp.ones_like(y)),
+        )
         jax.block_until_ready(backward_update(*args))
         samples = []
         for _ in range(max(1, repeats)):
