@@ -170,7 +170,8 @@ def stage_specs(stages: Sequence[StageFunctions], inputs, labels) -> list[StageS
         source = "the batch" if k == 0 else f"stage {k - 1}"
         try:
             if k == last:
-                jax.eval_shape(fns._loss_and_backward, fns.params, fns.rest, shape, labels)
+                given = Given(params=fns.params, rest=fns.rest, x=shape, labels=labels)
+                jax.eval_shape(fns.compile().loss_gradient, Vars(), given)
                 layout = None
                 if fns.options.method in SPLIT_BACKWARD and k > 0:  # its W: the loss's VJP
                     layout = fns.loss_residual_layout(fns.params, fns.rest, shape, labels)
