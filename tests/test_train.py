@@ -16,7 +16,7 @@ from training import quiet, records, small_config, stop_at_call
 from dgrad import data
 from dgrad.options import method_title
 from dgrad.train import Stopped, StopRequests, build, export, metrics, train
-from dgrad.train.checkpoint import Checkpointer
+from dgrad.train.checkpoint import Checkpointer, state_mib
 from dgrad.train.cli import load_config
 from dgrad.train.config import runs_of
 from dgrad.train.loop import RunContext, train_run
@@ -328,8 +328,8 @@ def test_a_run_whose_checkpoints_all_fail_to_restore_is_refused_and_left_as_it_w
 def test_every_record_says_its_pace_and_where_the_epoch_s_time_went(tmp_path):
     """Train records: seconds per step and samples per second between records, the time
     spent evaluating and saving left out; epoch records: their seconds split into
-    training, evaluation and checkpoints."""
-    config = small_config()
+    training, evaluation and checkpoints, and the MiB of the checkpoint saved at its end."""
+    config = small_config(keep_checkpoints=10)
     train(config, tmp_path, log=quiet)
     written = metrics.read(tmp_path / "fdg_k2" / "metrics.jsonl")
     steps = [r for r in written if r["kind"] == "train"]
@@ -347,6 +347,18 @@ def test_every_record_says_its_pace_and_where_the_epoch_s_time_went(tmp_path):
     first, second = epochs
     assert first["checkpoint_seconds"] > 0  # the save at step 5
     assert second["checkpoint_seconds"] > 0  # the epoch end's save at 8, and 10 and 15
+    dataset, (run,) = data.load(config.dataset), runs_of(config)
+    pipe = build.build_pipeline(config, run, dataset, config.steps_per_epoch, jax.devices())
+    example = dataset.eval_transform.apply(*dataset.train.get(np.arange(config.batch_size)), None)
+    pipe.init(example)
+    with Checkpointer(tmp_path / "fdg_k2" / "checkpoints") as checkpoints:
+        saved = [checkpoints.restore(pipe, step)[0] for step in (8, 16)]
+    assert [record["checkpoint_mib"] for record in epochs] == [
+        round(state_mib(state), 2)
+        for state in saved  # each epoch end's checkpoint
+    ]
+    weights = sum(a.nbytes for a in jax.tree.leaves([s.params for s in saved[1].stages]))
+    assert second["checkpoint_mib"] > weights / 2**20  # FDG keeps records and messages too
 
 
 def test_with_peak_tflops_every_train_record_says_its_mfu(tmp_path):

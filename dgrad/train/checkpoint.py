@@ -108,6 +108,22 @@ class Unrestorable(ValueError):
         self.step, self.reason = step, reason
 
 
+def state_mib(state: PipelineState) -> float:
+    """The MiB of arrays a checkpoint of `state` holds (each array counted once, whole,
+    however many devices hold its shards or copies).
+
+    >>> import jax.numpy as jnp, optax
+    >>> import dgrad
+    >>> from dgrad import models
+    >>> pipe = dgrad.Pipeline(models.mlp([256, 1024], num_stages=1), optimizer=optax.sgd(0.1))
+    >>> state = pipe.init((jnp.ones((2, 256)), jnp.zeros((2,), jnp.int32)))
+    >>> round(state_mib(state), 3)  # a 256 x 1024 float32 kernel and its bias; SGD keeps none
+    1.004
+    """
+    leaves = jax.tree.leaves(state)
+    return sum(leaf.nbytes for leaf in leaves if hasattr(leaf, "nbytes")) / 2**20
+
+
 class Checkpointer:
     """Saves and restores pipeline states in `directory`, keeping the newest `keep`.
 

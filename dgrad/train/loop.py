@@ -27,7 +27,7 @@ from dgrad.placement import share
 from dgrad.state import PipelineState
 from dgrad.train import config as fields
 from dgrad.train import export, metrics
-from dgrad.train.checkpoint import Checkpointer, OtherFormat, Unrestorable
+from dgrad.train.checkpoint import Checkpointer, OtherFormat, Unrestorable, state_mib
 from dgrad.train.config import Run
 from dgrad.train.distributed import StopVote
 from dgrad.train.evaluate import Limited, evaluate
@@ -479,6 +479,7 @@ def _epoch_record(
         "train_seconds": evaluated - epoch_start - saving_seconds,
         "eval_seconds": now - evaluated,
         "checkpoint_seconds": saving_seconds,
+        "checkpoint_mib": round(state_mib(state), 2),  # of the checkpoint saved right after
     }
     tokens = ctx.dataset.tokens_per_example
     if tokens:
