@@ -20,14 +20,27 @@ from dgrad.measure import balance, benchmark_across, benchmark_command, timing
 from dgrad.measure import benchmark as bench
 from dgrad.measure.benchmark_across import GPT_FLAGS, chain_of, example_batch
 from dgrad.measure.timeline import Timeline
-from dgrad.options import ALWAYS_CHUNKED, MICROBATCHED
+from dgrad.options import ALWAYS_CHUNKED, MICROBATCHED, Options
+from dgrad.schedule import check_virtual_stages
 from dgrad.train import distributed
 from dgrad.train.cli import OneLineParser
 
 
+def _refusal(method: str, k: int, m: int, v: int) -> str | None:
+    """Why `Options` or the V schedules' rules (`dgrad.schedule.check_virtual_stages`) refuse
+    `method` with V = `v` chunks a group on K = `k` groups and M = `m`; None where they do not."""
+    try:
+        Options(method=method, microbatches=m, virtual_stages=v)
+        check_virtual_stages(k * v, v, m, method)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def chunked_rows(method: str, k: int, m: int, virtual_stages) -> list[int]:
-    """The V of the chunked rows beside `method`'s row at K = `k`, M = `m`: interleaved
-    1F1B's (M a multiple of K) and ZB-V's (V = 2).
+    """The V of the chunked rows beside `method`'s row at K = `k`, M = `m`: those of
+    `virtual_stages` the library takes (interleaved 1F1B: M a multiple of K; ZB-V and
+    DualPipeV: V = 2, DualPipeV with M >= 2K).
 
     >>> chunked_rows("1f1b", 2, 4, [2, 3]), chunked_rows("1f1b", 4, 2, [2])
     ([2, 3], [])
@@ -38,37 +51,30 @@ def chunked_rows(method: str, k: int, m: int, virtual_stages) -> list[int]:
     """
     if k < 2:
         return []
-    if method == "1f1b":
-        return [v for v in virtual_stages if m % k == 0]
-    if method == "dualpipev":
-        return [2] if 2 in virtual_stages and m >= 2 * k else []
-    return [2] if method == "zb" and 2 in virtual_stages else []
+    return [v for v in virtual_stages if v > 1 and _refusal(method, k, m, v) is None]
 
 
 def unchunked_rows(method: str, k: int, m: int, virtual_stages, blocks: int) -> list[str]:
     """Why the chunked rows `--virtual-stages` asks for beside `method`'s row at K = `k`,
-    M = `m` are not timed, a line each (the model has `blocks` blocks to cut into chunks).
+    M = `m` are not timed, a line each, in the library's words (the model has `blocks`
+    blocks to cut into chunks); nothing for a method that takes no chunks.
 
     >>> unchunked_rows("1f1b", 2, 3, [2], 11)
-    ['# no 1f1b V=2 M=3 row at K=2: interleaved 1F1B needs M a multiple of K']
+    ['# no 1f1b V=2 M=3 row at K=2: virtual_stages=2 runs the microbatches in rounds of K=2 ...]
     >>> for line in unchunked_rows("zb", 4, 4, [2, 3], 6):
     ...     print(line)
     # no zb V=2 M=4 row at K=4: 8 chunks, the model has 6 blocks
-    # no zb V=3 M=4 row at K=4: ZB-V takes V = 2
+    # no zb V=3 M=4 row at K=4: method=zb with virtual_stages=3: zero-bubble's V schedule ...
     """
-    if k < 2 or method not in ("1f1b", "zb", "dualpipev"):
+    if k < 2 or _refusal(method, k, 2 * k, 2) is not None:  # a method that takes no chunks
         return []
     why = []
     for v in virtual_stages:
-        row = f"# no {method} V={v} M={m} row at K={k}: "
-        if method in ("zb", "dualpipev") and v != 2:
-            why.append(row + ("ZB-V" if method == "zb" else "DualPipeV") + " takes V = 2")
-        elif method == "dualpipev" and m < 2 * k:
-            why.append(row + "DualPipeV needs M >= 2K")
-        elif method == "1f1b" and m % k:
-            why.append(row + "interleaved 1F1B needs M a multiple of K")
-        elif k * v > blocks:
-            why.append(row + f"{k * v} chunks, the model has {blocks} blocks")
+        reason = _refusal(method, k, m, v)
+        if reason is None and k * v > blocks:
+            reason = f"{k * v} chunks, the model has {blocks} blocks"
+        if reason is not None:
+            why.append(f"# no {method} V={v} M={m} row at K={k}: {reason}")
     return why
 
 
