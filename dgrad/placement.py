@@ -451,11 +451,26 @@ def _split(leaf) -> bool:
 def _place(leaves: list, sharding) -> list:
     """Copies of `leaves` placed by `sharding` (in one transfer within a process)."""
     if jax.process_count() == 1 or sharding.is_fully_addressable:
+        if len(sharding.device_set) > 1:  # copied first: see `_own_copies`
+            leaves = _own_copies(leaves)
         return jax.device_put(leaves, sharding, may_alias=False)
     hosts = [np.asarray(jax.device_get(leaf)) for leaf in leaves]
     return [
         jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i], dtype=host.dtype)
         for host in hosts
+    ]
+
+
+def _own_copies(leaves: list) -> list:
+    """Copies of `leaves`' device arrays in place. Put onto several devices, JAX (0.10) keeps
+    the source's own buffer as the copy on the source's device even with may_alias=False, and
+    the first call that donates the placed array then deletes the source (a stage's initial
+    weights, which the next `init` places again)."""
+    return [
+        jax.device_put(leaf, leaf.sharding, may_alias=False)
+        if isinstance(leaf, jax.Array)
+        else leaf
+        for leaf in leaves
     ]
 
 

@@ -78,6 +78,22 @@ def test_a_batch_that_does_not_split_between_replicas():
         pipe.init(odd)
 
 
+def test_a_replicated_pipeline_initialises_again_after_it_trained():
+    """`init` places copies of each stage's initial weights: training from one state (whose
+    calls donate the weights) leaves them for the next `init`, on replicas too, and the
+    second run repeats the first."""
+    pipe = build_pipeline("mlp", 2, method="fdg", devices=jax.devices(), data_parallel=2)
+    data = batches("mlp", 4)
+    finals = []
+    for _ in range(2):
+        state = pipe.init(data[0])
+        for batch in data:
+            state, _ = pipe.step(state, batch)
+        finals.append(jax.device_get(state.stages[0].params))
+    for once, again in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
+        np.testing.assert_array_equal(once, again)
+
+
 def test_fused_backprop_is_data_parallel_over_its_group():
     pipe = build_pipeline("cnn", 1, method="bp", fused=True, devices=jax.devices(), data_parallel=4)
     state = pipe.init(batches("cnn", 1)[0])
