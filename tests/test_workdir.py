@@ -211,6 +211,7 @@ def test_an_extension_that_was_stopped_resumes(tmp_path):
     train(small_config(num_epochs=3), tmp_path, log=quiet)  # and without --extend: finished
 
 
+@pytest.mark.slow
 def test_an_extension_that_trains_nothing_leaves_the_experiment_as_it_was(tmp_path):
     """An extension whose resume fails (every checkpoint damaged) puts config.json back, so
     that the experiment is still the finished one of its epochs; one killed before it
