@@ -323,9 +323,10 @@ def take_back(plan: Plan, run_labels) -> bool:
     (True, False)
     """
     if plan.resumes:
+        newest = [_newest_meta(os.path.join(plan.path, label)) for label in run_labels]
         if plan.extends_from is None or any(
-            _newest_config(plan.path, label).get("num_epochs") != plan.saved["num_epochs"]
-            for label in run_labels
+            meta is None or meta["extra"]["config"]["num_epochs"] != plan.saved["num_epochs"]
+            for meta in newest
         ):
             return False
         _write_config(plan.path, plan.saved, plan.corpus)  # the extension trained nothing
@@ -346,18 +347,21 @@ def take_back(plan: Plan, run_labels) -> bool:
     return True
 
 
-def _newest_config(path: str, label: str) -> dict[str, Any]:
-    """The config that run `label`'s newest checkpoint was saved with ({} if none reads)."""
+def _newest_meta(run_dir: str) -> dict[str, Any] | None:
+    """The metadata of the run's newest checkpoint (`Checkpointer.meta`), None where it has
+    none or it does not read."""
     from dgrad.train.checkpoint import Checkpointer
 
-    checkpoints = os.path.join(path, label, "checkpoints")
+    checkpoints = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(checkpoints):
-        return {}
+        return None
     with Checkpointer(checkpoints) as saved:
+        if saved.latest_step() is None:
+            return None
         try:
-            return saved.meta()["extra"]["config"] if saved.latest_step() is not None else {}
+            return saved.meta()
         except Exception:  # (damaged: the run's resume says so, and takes an older one)
-            return {}
+            return None
 
 
 def total_steps(meta: dict[str, Any]) -> int:
@@ -384,23 +388,15 @@ def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
     ...     print(final_records(inspect(path, config), fields.runs_of(config)))  # no checkpoint
     None
     """
-    from dgrad.train.checkpoint import Checkpointer
-
     curves = os.path.join(plan.path, "curves.png")
     if not plan.resumes or not os.path.exists(curves):
         return None
     records, exported = {}, []
     for run in runs:
         run_dir = os.path.join(plan.path, run.label)
-        if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
+        meta = _newest_meta(run_dir)
+        if meta is None:
             return None
-        with Checkpointer(os.path.join(run_dir, "checkpoints")) as checkpoints:
-            if checkpoints.latest_step() is None:
-                return None
-            try:
-                meta = checkpoints.meta()
-            except Exception:  # (damaged: the run's resume says so, and takes an older one)
-                return None
         model = os.path.join(run_dir, "model")
         if meta["step"] < total_steps(meta) or not os.path.isdir(model):
             return None  # stopped before the end, or before the model was exported
