@@ -199,6 +199,14 @@ class Options:
         "1: one stage per group",
     )
 
+    record_sources: bool = _help(
+        False,
+        "keep with each kept record of a forward's VJP the input, weights and statistics it "
+        "was computed from, so that a checkpoint holds those (a batch's input and a copy of "
+        "the stage's weights) instead of the VJP, which a restore computes again; costs that "
+        "copy per kept batch in memory (the training command sets it)",
+    )
+
     def __post_init__(self):
         _choice("method", self.method, METHODS)
         object.__setattr__(self, "beta", checks.shrinking_factor(self.beta))

@@ -55,7 +55,16 @@ from dgrad.schedule import (
     Unit,
     WeightGradient,
 )
-from dgrad.stage import Calls, Given, LossFn, Residuals, StageFunctions, Vars, shape_dtype
+from dgrad.stage import (
+    Calls,
+    Given,
+    LossFn,
+    Residuals,
+    StageFunctions,
+    StashedInputs,
+    Vars,
+    shape_dtype,
+)
 from dgrad.state import Message, PipelineState, StageState, stage_specs, structure
 
 
@@ -757,6 +766,38 @@ class Pipeline:
             )
 
     # ------------------------------------------------------ state structure
+
+    def recompute_records(self, state: PipelineState) -> PipelineState:
+        """`state` with each record held as its source (a checkpoint holds a record of a
+        VJP that way: `dgrad.stage.Residuals.source`) computed again: the stage's forward
+        at the source's weights and statistics, the same bits as the record it replaces.
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> from dgrad import models
+        >>> pipe = Pipeline(models.mlp([4, 8, 3], num_stages=2), record_sources=True,
+        ...                 optimizer=optax.sgd(0.1))
+        >>> batch = (jnp.ones((4, 4)), jnp.array([0, 1, 2, 0]))
+        >>> state, _ = pipe.step(pipe.init(batch), batch)
+        >>> record = state.stages[0].kept[0]
+        >>> held = state.replace(stages=(state.stages[0].replace(kept=(record.source,)),
+        ...                              state.stages[1]))
+        >>> again = pipe.recompute_records(held).stages[0].kept[0]
+        >>> all(jax.tree.leaves(jax.tree.map(jnp.array_equal, again, record)))
+        True
+        """
+        stages = list(state.stages)
+        for k, (fns, spec) in enumerate(zip(self.stages, self.specs)):
+            if fns.options.memory == "recompute":
+                continue  # its own records are StashedInputs: nothing to compute again
+            recompute = fns.compile(spec.residual_layout).recompute
+            kept = tuple(
+                recompute(Vars(), Given(record=record))[1].record
+                if isinstance(record, StashedInputs)
+                else record
+                for record in stages[k].kept
+            )
+            stages[k] = stages[k].replace(kept=kept)
+        return state.replace(stages=tuple(stages))
 
     def state_structure(self, step: int) -> PipelineState:
         """The state after `step` steps as `jax.ShapeDtypeStruct`s with their shardings.

@@ -26,7 +26,9 @@ takes them as they are), and jits the few pure functions a pipeline calls, its
   and update (the stage is a `dgrad.models.AuxStage`);
 - `predict`: the forward in evaluation mode;
 - `gradient`, `loss_gradient`, `aux_gradient`: the parameter gradient alone
-  (for the staleness probe).
+  (for the staleness probe);
+- `recompute`: a kept record from what its forward was computed from (its
+  `source`, which a checkpoint holds in its place).
 
 Every call has one signature, `call(Vars, Given) -> (Vars, Out)`: the stage's state
 it consumes (`Vars`, donated) and what it only reads (`Given`) in; the state it
@@ -76,9 +78,11 @@ class Residuals:
     The VJP is rebuilt from its leaves with the stage's `residual_layout`; its
     leaves hold whatever the backward needs of the weights. `params` is kept for
     the update's `stale_params` only where the stage's optimizer reads them
-    (`dgrad.optim.reads_stale_params`, e.g. delay compensation) or the probe
-    measures how far the weights moved; else it is None, which saves a copy of
-    the weights per kept batch.
+    (`dgrad.optim.reads_stale_params`, e.g. delay compensation), the probe
+    measures how far the weights moved or the options ask for `record_sources`;
+    else it is None, which saves a copy of the weights per kept batch. With
+    `record_sources`, `inputs` and `rest` are the forward's input and statistics:
+    with `params`, what the VJP is computed from again (`source`).
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx
@@ -90,6 +94,26 @@ class Residuals:
 
     residuals: list
     params: Any
+    inputs: Any = None
+    rest: Any = None
+
+    @property
+    def source(self) -> StashedInputs | None:
+        """What this record's VJP was computed from, where it was kept (`record_sources`):
+        what a checkpoint holds in its place.
+
+        >>> import jax.numpy as jnp, optax
+        >>> from flax import nnx
+        >>> from dgrad.options import Options
+        >>> fns = StageFunctions(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+        ...                      options=Options(record_sources=True))
+        >>> _, _, record = fns.forward_record(fns.params, fns.rest, None, jnp.ones((4, 3)))
+        >>> type(record.source).__name__, record.source.inputs.shape
+        ('StashedInputs', (4, 3))
+        """
+        if self.inputs is None:
+            return None
+        return StashedInputs(self.inputs, self.params, self.rest)
 
 
 @struct.dataclass
@@ -373,6 +397,7 @@ class Calls(NamedTuple):
     gradient: Callable
     loss_gradient: Callable
     aux_gradient: Callable
+    recompute: Callable
 
 
 # The calls that back-propagate a kept record, and so read the stage's residual layout.
@@ -478,7 +503,9 @@ class StageFunctions:
                 "gradients, each taken at other weights, so an update that reads stale_params "
                 "(delay compensation) has no one set of them to read; use accumulate=1 with it."
             )
-        self.keeps_forward_weights = options.probe_every is not None or reads_stale
+        self.keeps_forward_weights = (
+            options.probe_every is not None or reads_stale or options.record_sources
+        )
         # Where each output lives: the stage's state replicated on its devices, what it
         # sends split along the batch (a record's leaves are placed as it is made).
         self._out_shardings = (
@@ -649,7 +676,10 @@ class StageFunctions:
         >>> y.shape, type(record).__name__
         ((4, 2), 'Residuals')
         """
-        params = self._forward_weights(params, opt_state)
+        return self._forward_at(self._forward_weights(params, opt_state), rest, x)
+
+    def _forward_at(self, params, rest, x):
+        """`forward_record` at the weights `params` the forward uses (predicted already)."""
         if self.options.memory == "recompute":
             y, new_rest = self.apply(params, rest, x)
             inputs = _constrain(x, self.sharded)
@@ -662,6 +692,8 @@ class StageFunctions:
             layout = self.residual_layout(params, rest, x)
             residuals = layout.pack(self._split_like_the_batch(jax.tree.leaves(vjp), layout))
             record = Residuals(residuals, params if self.keeps_forward_weights else None)
+            if self.options.record_sources:
+                record = record.replace(inputs=_constrain(x, self.sharded), rest=rest)
         return y, new_rest, record
 
     def _backward(self, record: Record, params, rest, cotangent, layout):
@@ -834,7 +866,7 @@ class StageFunctions:
         if state.metrics is not None:
             metrics = jax.tree.map(jnp.add, state.metrics, metrics)
         finite = given.finite & jnp.isfinite(value)
-        record = Residuals(jax.tree.leaves(vjp), None)
+        record = Residuals(jax.tree.leaves(vjp), params=None)
         return Vars(rest=rest, metrics=metrics, finite=finite), Out(
             cotangent=cotangent, record=record, seed=seed
         )
@@ -860,6 +892,12 @@ class StageFunctions:
         """The last stage's parameter gradient of its loss (what `loss_step` applies)."""
         grads = self._loss_and_backward(given.params, given.rest, given.x, given.labels)[0]
         return Vars(), Out(grads=grads)
+
+    def _recompute(self, state: Vars, given: Given):
+        """The record a forward kept, from its `source` (`given.record`; a checkpoint holds
+        that in its place): the same forward at the same weights, computed again."""
+        source = given.record
+        return Vars(), Out(record=self._forward_at(source.params, source.rest, source.inputs)[2])
 
     def _aux_gradient(self, state: Vars, given: Given):
         """A DGL stage's gradient of its auxiliary loss (what `aux_step` applies)."""

@@ -7,6 +7,8 @@ import pathlib
 import shutil
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from damage import DAMAGES, damage
 from helpers import (
@@ -20,7 +22,15 @@ from helpers import (
 
 import dgrad
 from dgrad.options import MICROBATCHED
-from dgrad.train.checkpoint import FORMAT, Checkpointer, OtherFormat, Unrestorable
+from dgrad.stage import Given, Residuals, Vars
+from dgrad.train.checkpoint import (
+    FORMAT,
+    Checkpointer,
+    OtherFormat,
+    Unrestorable,
+    state_mib,
+    stored,
+)
 
 STEPS, SAVE_AT = 11, 5
 
@@ -89,6 +99,59 @@ def test_resume_is_bit_identical_on_another_layout(
     assert_equal(run(fresh, state, data[SAVE_AT:]), uninterrupted)
 
 
+@pytest.mark.parametrize(
+    "model, num_stages, options",
+    [
+        ("cnn", 2, dict(method="fdg", beta=0.7)),  # BatchNorm: the statistics are kept too
+        pytest.param("mlp", 3, dict(method="ddg", memory="dots"), marks=pytest.mark.slow),
+        pytest.param("gpt", 3, dict(method="pipedream"), marks=pytest.mark.slow),
+        pytest.param("mlp", 3, dict(method="2bw", microbatches=2), marks=pytest.mark.slow),
+        pytest.param(
+            "mlp",
+            3,
+            dict(method="fdg", predict="momentum", predict_lr=0.05),
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_records_saved_as_their_sources_are_computed_again_bit_for_bit(
+    tmp_path, model, num_stages, options
+):
+    """With record_sources (the training command's), a checkpoint holds each kept VJP as
+    the input, weights and statistics of its forward: a fraction of the state's size. The
+    restore forwards them again, on another layout, to the same bits; a run resumed from
+    it continues as one that never stopped. The control: the same forwards at other
+    weights give other records."""
+    options = dict(options, record_sources=True)
+    data = batches(model, STEPS)
+    pipe = build_pipeline(model, num_stages, devices=jax.devices()[:num_stages], **options)
+    state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
+    saved = jax.device_get(state)
+    with Checkpointer(tmp_path) as checkpoints:
+        checkpoints.save(state, {"note": "mid-run"})
+    held = stored(state)
+    assert not any(isinstance(r, Residuals) for s in held.stages for r in s.kept)
+    assert state_mib(state) < sum(a.nbytes for a in jax.tree.leaves(saved)) / 2**20
+    uninterrupted = jax.device_get(run(pipe, state, data[SAVE_AT:]))
+    devices = jax.devices()[:num_stages][::-1]
+    fresh = build_pipeline(model, num_stages, devices=devices, **options)
+    state = restored(tmp_path, fresh, data)
+    assert all(isinstance(r, Residuals) for s in state.stages for r in s.kept)
+    assert any(s.kept for s in state.stages)
+    assert_equal(state, saved)
+    k = next(k for k, s in enumerate(state.stages) if s.kept)
+    kept = state.stages[k].kept[0]
+    moved = kept.replace(params=jax.tree.map(jnp.negative, kept.params))
+    recompute = fresh.stages[k].compile(fresh.specs[k].residual_layout).recompute
+    again = recompute(Vars(), Given(record=moved.source))[1].record
+    assert not jax.tree.all(
+        jax.tree.map(
+            np.array_equal, jax.device_get(again.residuals), saved.stages[k].kept[0].residuals
+        )
+    )
+    assert_equal(run(fresh, state, data[SAVE_AT:]), uninterrupted)
+
+
 @pytest.mark.parametrize("method", ["1f1b", "zb", "dualpipev"])
 def test_chunked_schedules_resume_bit_identically_on_another_layout(tmp_path, method):
     """Interleaved 1F1B, ZB-V and DualPipeV (2 chunks on each of 2 groups) saved mid-run
@@ -107,18 +170,23 @@ def test_chunked_schedules_resume_bit_identically_on_another_layout(tmp_path, me
 
 
 @pytest.mark.parametrize(
-    "model, saved_with, resumed_with",
+    "model, saved_with, resumed_with, record_sources",
     [
-        ("mlp", 1, 2),
-        pytest.param("cnn", 1, 2, marks=pytest.mark.slow),
-        pytest.param("cnn", 2, 1, marks=pytest.mark.slow),
+        ("mlp", 1, 2, False),
+        pytest.param("cnn", 1, 2, False, marks=pytest.mark.slow),
+        pytest.param("cnn", 2, 1, False, marks=pytest.mark.slow),
+        pytest.param("cnn", 2, 1, True, marks=pytest.mark.slow),
+        pytest.param("mlp", 1, 2, True, marks=pytest.mark.slow),
     ],
 )
-def test_resume_with_another_number_of_replicas(tmp_path, model, saved_with, resumed_with):
+def test_resume_with_another_number_of_replicas(
+    tmp_path, model, saved_with, resumed_with, record_sources
+):
     """The same state whatever D: within float tolerance (the batch reductions are split
-    differently), the kept residuals included."""
+    differently), the kept residuals included, whether saved or computed again from their
+    sources."""
     data = batches(model, STEPS)
-    options = dict(method="fdg", beta=0.7, devices=jax.devices())
+    options = dict(method="fdg", beta=0.7, devices=jax.devices(), record_sources=record_sources)
     pipe = build_pipeline(model, 2, data_parallel=saved_with, **options)
     state = run(pipe, pipe.init(data[0]), data[:SAVE_AT])
     with Checkpointer(tmp_path) as checkpoints:
@@ -133,7 +201,7 @@ def test_resume_with_another_number_of_replicas(tmp_path, model, saved_with, res
 def test_a_checkpoint_of_the_format_before_is_refused_in_one_line(tmp_path):
     """A checkpoint written before the format was (format 1: dgrad 0.2.0, its weights under
     `nnx.Variable`'s `value`) is refused before any array is read, naming its format and
-    what to do; every checkpoint written now names format 2."""
+    what to do; every checkpoint written now names format 3."""
     written = pathlib.Path(__file__).parent / "data" / "checkpoint_with_variables"
     shutil.copytree(written, tmp_path / "old")
     pipe = build_pipeline("cnn", 2, devices=jax.devices()[:2], method="fdg", beta=0.7)
@@ -146,12 +214,12 @@ def test_a_checkpoint_of_the_format_before_is_refused_in_one_line(tmp_path):
         checkpoints.restore(pipe)
     assert str(refused.value) == (
         f"The checkpoint at step 5 in {tmp_path / 'old'} is of format 1 (written by dgrad "
-        "0.2.0 or before); this dgrad reads format 2 only: resume it with the dgrad that "
+        "0.2.0 or before); this dgrad reads format 3 only: resume it with the dgrad that "
         "wrote it, or train the experiment again in a new --workdir."
     )
     with Checkpointer(tmp_path / "new") as checkpoints:
         checkpoints.save(pipe.init(data[0]))
-        assert checkpoints.meta()["format"] == FORMAT == 2
+        assert checkpoints.meta()["format"] == FORMAT == 3
         checkpoints.restore(pipe)  # the control: today's format restores
 
 

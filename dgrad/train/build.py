@@ -289,6 +289,7 @@ def _pipeline(config, run: Run, stages, steps_per_epoch: int, accumulate: int, d
         virtual_stages=1 if baseline else config.virtual_stages,
         predict=None if baseline else config.predict,
         predict_lr=None if baseline else config.predict_lr,
+        record_sources=True,  # checkpoints hold what a VJP is computed from
         devices=devices,
         placement="spread" if run.fused else config.placement,
     )

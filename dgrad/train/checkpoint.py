@@ -3,13 +3,17 @@
 A `PipelineState` between two steps holds more than weights: each stage's
 optimizer state, the records kept for delayed backwards (stashed weights,
 residuals or inputs) and the activations and cotangents travelling between
-stages. `Checkpointer` saves the state pytree as it is, with a JSON item
-beside it for the step and the caller's metadata, so that a resumed run
-continues bit for bit. Which records and messages exist after step t follows
-from the timetable alone (`Pipeline.state_structure`), so restoring needs no
-saved layout: orbax reads every array straight onto the devices of its stage in
-the restoring pipeline, whatever its device layout, number of replicas or
-processes.
+stages. `Checkpointer` saves the state pytree, with a JSON item beside it for
+the step and the caller's metadata, so that a resumed run continues bit for
+bit. A record of a forward's VJP that keeps its `source` (the pipeline option
+`record_sources`: the forward's input, weights and statistics) is saved as
+that source, and its VJP computed again on restore by the same forward: the
+checkpoint holds what determines the run, about the size of the model and
+the batches in flight, not every activation a VJP keeps. Which records and
+messages exist after step t follows from the timetable alone
+(`Pipeline.state_structure`), so restoring needs no saved layout: orbax reads
+every array straight onto the devices of its stage in the restoring pipeline,
+whatever its device layout, number of replicas or processes.
 
 A save returns once orbax has copied the arrays to host memory (`np.asarray` of
 each shard, blocking); the files are written in the background while training
@@ -72,11 +76,10 @@ if TYPE_CHECKING:
     from dgrad.state import PipelineState
 
 DAMAGED = "damaged"  # the folder beside the checkpoints where `set_aside` moves one
-# What a checkpoint holds and how: 2 since the format was written down (the state's arrays
-# as today's PipelineState lays them out); 1 is every checkpoint without one (dgrad 0.2.0
-# and before: weights under nnx.Variable's `value`, records stashing every weight, a VJP's
-# leaves kept apart).
-FORMAT = 2
+# What a checkpoint holds and how: 3 since records of a VJP that keep their source are
+# saved as the source (`stored`); 2 held every VJP's leaves; 1 is every checkpoint written
+# before the format was (dgrad 0.2.0 and before: weights under nnx.Variable's `value`).
+FORMAT = 3
 
 
 class OtherFormat(ValueError):
@@ -110,7 +113,8 @@ class Unrestorable(ValueError):
 
 def state_mib(state: PipelineState) -> float:
     """The MiB of arrays a checkpoint of `state` holds (each array counted once, whole,
-    however many devices hold its shards or copies).
+    however many devices hold its shards or copies); `state` may be one of shapes
+    (`dgrad.Pipeline.state_structure`).
 
     >>> import jax.numpy as jnp, optax
     >>> import dgrad
@@ -120,8 +124,8 @@ def state_mib(state: PipelineState) -> float:
     >>> round(state_mib(state), 3)  # a 256 x 1024 float32 kernel and its bias; SGD keeps none
     1.004
     """
-    leaves = jax.tree.leaves(state)
-    return sum(leaf.nbytes for leaf in leaves if hasattr(leaf, "nbytes")) / 2**20
+    leaves = jax.tree.leaves(stored(state))
+    return sum(np.dtype(a.dtype).itemsize * int(np.prod(a.shape)) for a in leaves) / 2**20
 
 
 class Checkpointer:
@@ -268,7 +272,7 @@ class Checkpointer:
         }
         # orbax's barriers are collectives: the transfers of `share` land first, so that
         # no process waits inside a barrier for one.
-        shared = jax.block_until_ready(placement.share(state))
+        shared = jax.block_until_ready(placement.share(stored(state)))
         self._manager.save(
             state.step,
             args=ocp.args.Composite(
@@ -290,7 +294,7 @@ class Checkpointer:
         >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
         ...     checkpoints.save(state.replace(step=4), {"epoch": 2})
         ...     print(checkpoints.meta())
-        {'format': 2, 'dgrad': '...', 'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
+        {'format': 3, 'dgrad': '...', 'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
         """
         self.wait()
         return dict(self._meta_reader.restore(self._step_path(self._require(step)) / "meta"))
@@ -359,13 +363,13 @@ class Checkpointer:
         if failure is None:
             _ignore_reads_left_behind()
             try:
-                restored = self._read_state(step, self._target(pipe, meta))
+                restored = self._read_state(step, stored(self._target(pipe, meta)))
             except Exception as error:  # damaged arrays, or a state of another structure
                 failure = _one_line(error)
         failure = _first_failure(failure)
         if failure is not None:
             raise Unrestorable(step, self.directory, failure)
-        return restored, meta["extra"]
+        return pipe.recompute_records(restored), meta["extra"]
 
     def _target(self, pipe, meta: dict[str, Any]) -> PipelineState:
         """The state of `pipe` after `meta["step"]` steps, as abstract arrays; a ValueError
@@ -431,6 +435,31 @@ class Checkpointer:
                 f"{self.directory} (found steps {self.all_steps()})."
             )
         return step
+
+
+def stored(state: PipelineState) -> PipelineState:
+    """`state` as a checkpoint holds it: each record of a VJP that keeps its source
+    replaced by that source (`dgrad.stage.Residuals.source`), which `restore` forwards
+    again (`dgrad.Pipeline.recompute_records`). Works alike on arrays and on their shapes.
+
+    >>> import jax.numpy as jnp, optax
+    >>> import dgrad
+    >>> from dgrad import models
+    >>> pipe = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), method="fdg",
+    ...                       record_sources=True, optimizer=optax.sgd(0.1))
+    >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
+    >>> state, _ = pipe.step(pipe.init(batch), batch)
+    >>> type(state.stages[0].kept[0]).__name__, type(stored(state).stages[0].kept[0]).__name__
+    ('Residuals', 'StashedInputs')
+    """
+
+    def held(record):
+        source = getattr(record, "source", None)
+        return record if source is None else source
+
+    return state.replace(
+        stages=tuple(s.replace(kept=tuple(map(held, s.kept))) for s in state.stages)
+    )
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:
