@@ -42,6 +42,7 @@ def main():
         optimizer=SMOOTH_OPTIMIZER,
         data_parallel=2,
         placement=placement,
+        record_sources=True,  # as the training command: checkpoints forward records again
     )
     owners = [sorted({d.process_index for d in group}) for group in pipe.placement.groups]
     print(f"stage groups by process: {owners}", flush=True)

@@ -327,8 +327,8 @@ def test_the_benchmark_across_processes_prints_every_method_its_ceiling_and_move
 @pytest.mark.processes
 @pytest.mark.slow
 def test_the_benchmark_times_the_training_command_beside_the_engine():
-    """Every case in both layouts: the engine's two windows and the command's steady epochs
-    of each round, and one table row with the command's ratio to the engine."""
+    """Every case in both layouts: the engine's and fused BP's two windows and the command's
+    steady epochs of each round, and one table row with the command's ratio to each."""
     status, output = run_command(
         [
             sys.executable,
@@ -349,7 +349,9 @@ def test_the_benchmark_times_the_training_command_beside_the_engine():
         cwd=ROOT,
     )
     rounds = re.findall(
-        r"# round 1: (.+), (.+): engine [\d.]+ / [\d.]+, command (.+) samples/s", output
+        r"# round 1: (.+), (.+): engine [\d.]+ / [\d.]+, command (.+) samples/s; fused BP "
+        r"pinned [\d.]+ / [\d.]+",
+        output,
     )
     assert [(case, layout) for case, layout, _ in rounds] == [
         ("fdg", "one process"),
@@ -360,7 +362,8 @@ def test_the_benchmark_times_the_training_command_beside_the_engine():
     assert all(len(epochs.split()) == 2 for _, _, epochs in rounds), output  # epochs 2 and 3
     rows = [line.split("|") for line in output.splitlines() if line.startswith("| 1f1b M=2 ")]
     assert [row[2].strip() for row in rows] == ["one process", "2 processes pinned"], output
-    assert all(re.fullmatch(r" [\d.]+ \[[\d.]+-[\d.]+\] ", row[5]) for row in rows), rows
+    ratio = r" [\d.]+ \[[\d.]+-[\d.]+\] "  # command / engine, command x fused BP pinned
+    assert all(re.fullmatch(ratio, row[5]) and re.fullmatch(ratio, row[6]) for row in rows), rows
 
 
 @pytest.mark.processes

@@ -35,7 +35,13 @@ STEPS, SAVE_AT = 8, 4
 def single_process_run(tmp_path, save=False, restore=False):
     """The same run in this process: K=2 x D=2 on the 4 local devices."""
     pipe = build_pipeline(
-        "cnn", 2, method="fdg", optimizer=SMOOTH_OPTIMIZER, devices=jax.devices(), data_parallel=2
+        "cnn",
+        2,
+        method="fdg",
+        optimizer=SMOOTH_OPTIMIZER,
+        devices=jax.devices(),
+        data_parallel=2,
+        record_sources=True,  # as the worker: its checkpoints hold records as their sources
     )
     stream = batches("cnn", STEPS)
     state = pipe.init(stream[0])

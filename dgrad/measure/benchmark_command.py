@@ -3,10 +3,11 @@
 A user sees `python -m experiments.train`, not the benchmark. Here the same pipeline
 (model, cuts, batch, method, microbatches) is timed both ways under one machine load:
 every round times the bare engine (`dgrad.measure.benchmark_across.Group`: one fixed batch,
-nothing but `Pipeline.step`), then runs the training command for a few epochs in a
-fresh work directory, then times the engine again. The command's rate is each epoch
-after the first (its `train_seconds`; evaluation and checkpoint seconds are reported
-apart), and its ratio in a round is over the mean of the two engine windows around it.
+nothing but `Pipeline.step`) and fused BP pinned to one core, then runs the training
+command for a few epochs in a fresh work directory, then times both again. The command's
+rate is each epoch after the first (its `train_seconds`; evaluation and checkpoint
+seconds are reported apart), and its ratios in a round are over the mean of the two
+engine windows around it and over the mean of the two fused BP windows.
 
 A layout is one process on K fake devices, or K processes pinned to a core each
 (stage k on process k, under `jax.distributed`), for both sides alike.
@@ -194,11 +195,12 @@ def run_command(
 @dataclasses.dataclass
 class Measured:
     """Samples/s of the engine's windows and the command's steady epochs, and the
-    command's ratio to the engine per round."""
+    command's ratio to the engine and to fused BP pinned per round."""
 
     engine: list[float] = dataclasses.field(default_factory=list)
     command: list[float] = dataclasses.field(default_factory=list)
     ratios: list[float] = dataclasses.field(default_factory=list)
+    over_fused: list[float] = dataclasses.field(default_factory=list)
     eval_seconds: list[float] = dataclasses.field(default_factory=list)
     checkpoint_seconds: list[float] = dataclasses.field(default_factory=list)
 
@@ -214,9 +216,10 @@ def compare_with_command(
     out=None,
 ) -> dict[tuple[str, str], Measured]:
     """Times every method in every layout of `spec["stages"]` stages, round by round: an
-    engine window of `steps` steps, the training command for `epochs` epochs of `steps`
-    steps, another engine window. Returns what was measured by (method, layout) name. It
-    starts many processes, so its example is a test (tests/test_benchmark.py)."""
+    engine window and one of fused BP pinned to a core, of `steps` steps each, the
+    training command for `epochs` epochs of `steps` steps, the two windows again. Returns
+    what was measured by (method, layout) name. It starts many processes, so its example
+    is a test (tests/test_benchmark.py)."""
     out = out or sys.stdout
     refused = refusal(spec["model"], spec.get("image_size", 32), spec["stages"], epochs)
     if refused:
@@ -225,6 +228,11 @@ def compare_with_command(
     groups: dict[tuple[str, str], Group] = {}
     measured = {}
     try:
+        fused = {**spec, "method": "bp", "fused": True, "stages": 1, "cuts": [], "options": {}}
+        out.write("# starting bp fused, pinned\n")
+        groups[("bp", "pinned")] = baseline = Group(
+            "bp fused, pinned", fused, processes=1, devices=1, pins=[0]
+        )
         for method in methods:
             for layout in layouts:
                 key = (method.name, layout.name)
@@ -251,21 +259,26 @@ def compare_with_command(
                     key = (method.name, layout.name)
                     found = measured[key]
                     before = batch * steps / groups[key].window(steps)
+                    fused_rates = [batch * steps / baseline.window(steps)]
                     with tempfile.TemporaryDirectory(prefix="dgrad-command-") as workdir:
                         epochs_run = run_command(flags[method.name], layout, workdir)
+                    fused_rates.append(batch * steps / baseline.window(steps))
                     after = batch * steps / groups[key].window(steps)
                     steady = [r for r in epochs_run if r["epoch"] >= 2]
                     rates = [batch * steps / r["train_seconds"] for r in steady]
                     found.engine += [before, after]
                     found.command += rates
                     found.ratios.append(float(np.median(rates)) / ((before + after) / 2))
+                    found.over_fused.append(float(np.median(rates)) / np.mean(fused_rates))
                     found.eval_seconds += [r["eval_seconds"] for r in steady]
                     found.checkpoint_seconds += [r["checkpoint_seconds"] for r in steady]
                     out.write(
                         f"# round {round_ + 1}: {method.name}, {layout.name}: engine "
                         f"{before:.1f} / {after:.1f}, command "
                         + " ".join(f"{r:.1f}" for r in rates)
-                        + " samples/s\n"
+                        + " samples/s; fused BP pinned "
+                        + " / ".join(f"{r:.1f}" for r in fused_rates)
+                        + "\n"
                     )
                     out.flush()
         return measured

@@ -257,7 +257,8 @@ def against_command(args):
     print(
         f"# {args.model}, batch {args.batch_size}, K={k}, cuts {list(cuts)}: {args.windows} "
         f"rounds; an engine window of {args.steps} steps, the command for "
-        f"{args.command_epochs} epochs of {args.steps} steps, an engine window"
+        f"{args.command_epochs} epochs of {args.steps} steps, the two windows again (the "
+        "engine's, fused BP pinned to a core)"
     )
     measured = benchmark_command.compare_with_command(
         spec, cases, rounds=args.windows, epochs=args.command_epochs, steps=args.steps
@@ -265,15 +266,17 @@ def against_command(args):
     print()
     print(
         "| case | layout | engine samples/s median [min-max] | command samples/s median "
-        "[min-max] | command / engine per round | eval s per epoch | checkpoint s per epoch |"
+        "[min-max] | command / engine per round | command x fused BP pinned per round | "
+        "eval s per epoch | checkpoint s per epoch |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for (case, layout), found in measured.items():
         engine, command = np.array(found.engine), np.array(found.command)
         print(
             f"| {case} | {layout} | {np.median(engine):.1f} [{engine.min():.1f}-"
             f"{engine.max():.1f}] | {np.median(command):.1f} [{command.min():.1f}-"
             f"{command.max():.1f}] | {bench.summary(np.array(found.ratios))} | "
+            f"{bench.summary(np.array(found.over_fused))} | "
             f"{np.median(found.eval_seconds):.2f} | {np.median(found.checkpoint_seconds):.2f} |"
         )
     return measured

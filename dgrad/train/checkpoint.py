@@ -567,7 +567,8 @@ def _check_structure(stored, saved) -> None:
         raise ValueError(
             "This pipeline keeps the weights of each kept batch's forward, but the "
             "checkpoint's records hold none (it was saved with another weights policy, "
-            "probe_every or optimizer): resume with the options the run was saved with."
+            "probe_every, record_sources or optimizer): resume with the options the run was "
+            "saved with."
         )
     if missing:
         raise _mismatch(min(missing), "lacks")
@@ -584,7 +585,8 @@ def _mismatch(path, holds_or_lacks: str) -> ValueError:
         f"The checkpoint {holds_or_lacks} {'/'.join(path)} "
         f"{'beyond' if holds_or_lacks == 'holds' else 'of'} this pipeline's state: it was "
         "saved with other pipeline options (method, optimizer, predict, weights, memory, "
-        "accumulate, microbatches or probe_every). Resume with the options it was written with."
+        "accumulate, microbatches, probe_every or record_sources). Resume with the options it "
+        "was written with."
     )
 
 
