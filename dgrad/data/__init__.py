@@ -17,6 +17,7 @@ that a resumable run needs.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from dgrad.data import augment, text
 from dgrad.data.arrays import Split, batches, synthetic
@@ -25,7 +26,7 @@ from dgrad.data.digits import load_digits
 from dgrad.data.mnist1d import load_mnist1d
 from dgrad.data.stream import Source, Stream, eval_batches
 from dgrad.data.text import TFDS_TEXT, Windows, stdlib_corpus, text_feature, tfds_corpus
-from dgrad.data.tfds_source import DatasetNotFoundError, TfdsSource
+from dgrad.data.tfds_source import DatasetNotFoundError, TfdsSource, default_data_dir
 
 DATASETS = (
     "digits",
@@ -46,10 +47,6 @@ def token_cache(name: str, data_dir: str | None) -> str:
     >>> token_cache("stdlib", "/data"), token_cache("stdlib", None).endswith(".cache/dgrad")
     ('/data/dgrad_tokens', True)
     """
-    import os
-
-    from dgrad.data.tfds_source import default_data_dir
-
     if data_dir is None and name == "stdlib":
         home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         return os.path.join(home, "dgrad")

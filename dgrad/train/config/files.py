@@ -7,6 +7,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
+import traceback
+
 import ml_collections
 
 from dgrad.train.config.fields import unknown_field
@@ -20,9 +25,6 @@ def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
     >>> name, config.dataset, config.num_epochs
     ('default', 'digits', 3)
     """
-    import importlib.util
-    import os
-
     path, _, variant = spec.partition(":")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such file (the configs are in experiments/configs/)")
@@ -61,10 +63,6 @@ def _mistake_in(path: str, error: Exception, spec: str | None = None) -> str:
     ...     print(_mistake_in("config.py", error))
     config.py: num_stage is not a config field; did you mean num_stages?
     """
-    import os
-    import re
-    import traceback
-
     full = os.path.abspath(path)
     frames = traceback.extract_tb(error.__traceback__)
     lines = [f.lineno for f in frames if os.path.abspath(f.filename) == full]
