@@ -1,5 +1,6 @@
 """Every module's docstring examples run and say what they show, and every public
-function, class and method has an example of its own."""
+function and class has an example of its own; a public method has one of its own or is
+called in its class's."""
 
 import doctest
 import importlib
@@ -85,18 +86,27 @@ def _methods(cls):
 
 
 def public_names(module_name):
-    """`(dotted name, object)` of each public function and class defined in the module,
-    and of each public method those classes define."""
+    """`(dotted name, object, where its use may be shown instead)` of each public function
+    and class defined in the module (None), and of each public method those classes define
+    (the class's docstring, where a call `.method(` shows it)."""
     module = importlib.import_module(module_name)
     for name, obj in vars(module).items():
         if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)):
             continue
         if obj.__module__ != module_name:  # imported from elsewhere
             continue
-        yield f"{module_name}.{name}", obj
+        yield f"{module_name}.{name}", obj, None
         if inspect.isclass(obj):
             for method_name, method in _methods(obj):
-                yield f"{module_name}.{name}.{method_name}", method
+                yield f"{module_name}.{name}.{method_name}", method, obj.__doc__ or ""
+
+
+def _shown(obj, method_name: str, class_doc: str | None) -> bool:
+    """Whether `obj` has an example of its own, or is a method its class's example calls."""
+    if ">>>" in (obj.__doc__ or ""):
+        return True
+    examples = [line for line in (class_doc or "").splitlines() if ">>>" in line or "..." in line]
+    return class_doc is not None and any(f".{method_name}(" in line for line in examples)
 
 
 def _allowed(dotted):
@@ -109,16 +119,44 @@ def _allowed(dotted):
 def test_every_public_name_has_an_example(module_name):
     missing = [
         dotted
-        for dotted, obj in public_names(module_name)
-        if not _allowed(dotted) and ">>>" not in (obj.__doc__ or "")
+        for dotted, obj, class_doc in public_names(module_name)
+        if not _allowed(dotted) and not _shown(obj, dotted.rsplit(".", 1)[1], class_doc)
     ]
     assert not missing, (
-        "These public names have no `>>>` example in their own docstring (add one, or an "
-        "entry with its reason to ALLOWED_WITHOUT_EXAMPLE): " + ", ".join(missing)
+        "These public names have no `>>>` example in their own docstring, nor (methods) a "
+        "call in their class's example (add one, or an entry with its reason to "
+        "ALLOWED_WITHOUT_EXAMPLE): " + ", ".join(missing)
     )
 
 
 def test_the_allow_list_is_current():
-    names = {dotted for module in ALL_MODULES for dotted, _ in public_names(module)}
+    names = {dotted for module in ALL_MODULES for dotted, _, _ in public_names(module)}
     for entry in ALLOWED_WITHOUT_EXAMPLE:
         assert entry in ALL_MODULES or entry in names, f"{entry} is no longer a public name"
+
+
+def test_a_method_is_shown_only_by_its_own_example_or_a_call_in_its_class_s():
+    class Counter:
+        """Counts.
+
+        Calls .total( in prose, not in an example.
+
+        >>> Counter().add(2)
+        """
+
+        def add(self, n):
+            """Adds `n`."""
+
+        def total(self):
+            """The sum."""
+
+        def reset(self):
+            """Starts again.
+
+            >>> Counter().reset()
+            """
+
+    doc = Counter.__doc__
+    assert _shown(Counter.add, "add", doc) and _shown(Counter.reset, "reset", doc)
+    assert not _shown(Counter.total, "total", doc)
+    assert not _shown(Counter.add, "add", None)  # a function: its own example only

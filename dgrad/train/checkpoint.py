@@ -137,17 +137,41 @@ class Checkpointer:
       background: write each checkpoint in the background (False: `save` returns once
         it is complete).
 
-    >>> import tempfile, jax.numpy as jnp, optax
+    The example uses every method:
+
+    >>> import os, tempfile, jax, jax.numpy as jnp, optax
     >>> import dgrad
     >>> from dgrad import models
+    >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
     >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-    >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-    >>> with tempfile.TemporaryDirectory() as directory:
-    ...     with Checkpointer(directory, keep=2) as checkpoints:
-    ...         for step in (1, 2, 3):
-    ...             checkpoints.save(state.replace(step=step))
-    ...         print(checkpoints.all_steps())  # the oldest is gone
-    [2, 3]
+    >>> state = pipe.init(batch)
+    >>> directory = tempfile.mkdtemp()
+    >>> Checkpointer(directory).close()  # what leaving a with-block does
+    >>> with Checkpointer(directory, keep=2) as checkpoints:
+    ...     print(checkpoints.latest_step())
+    ...     for step in (1, 2, 3):
+    ...         checkpoints.save(state.replace(step=step), {"epoch": step})  # returns at once
+    ...     checkpoints.wait()  # the last write complete
+    ...     print(checkpoints.writing(), checkpoints.all_steps(), checkpoints.latest_step())
+    ...     print(sorted(os.listdir(os.path.join(directory, "3"))))  # the arrays, the meta
+    ...     print(checkpoints.extra(), checkpoints.meta(2))
+    ...     restored, extra = checkpoints.restore(pipe)  # the newest
+    ...     where = checkpoints.set_aside(3)  # as for one that does not restore
+    ...     print(checkpoints.all_steps(), os.path.relpath(where, directory))
+    None
+    False [2, 3] 3
+    [..., 'meta', 'state']
+    {'epoch': 3} {'format': 3, 'dgrad': '...', 'step': 2, 'num_stages': 1, 'extra': {'epoch': 2}}
+    [2] damaged/3
+    >>> all(jax.tree.leaves(jax.tree.map(jnp.array_equal, restored.stages, state.stages)))
+    True
+    >>> other = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
+    >>> _ = other.init(batch)
+    >>> with Checkpointer(directory) as checkpoints:
+    ...     checkpoints.restore(other)
+    Traceback (most recent call last):
+        ...
+    dgrad.train.checkpoint.Unrestorable: ... does not restore: it holds 1 stages but ...
     """
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 2, background: bool = True):
@@ -174,75 +198,27 @@ class Checkpointer:
         self.close()
 
     def close(self):
-        """Waits for orbax's work on the directory to finish and releases it.
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as directory:
-        ...     checkpoints = Checkpointer(directory)
-        ...     checkpoints.close()  # what `with Checkpointer(...)` does on leaving
-        """
+        """Waits for orbax's work on the directory to finish and releases it."""
         self._manager.close()
         self._state_reader.close()
 
     def wait(self) -> None:
         """Waits for the checkpoint being written in the background (if any) to be complete;
         raises what failed in its write.
-
-        >>> import os, tempfile, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.save(state)  # returns while the files are written
-        ...     checkpoints.wait()
-        ...     print(checkpoints.writing(), os.listdir(directory))
-        False ['0']
         """
         self._manager.wait_until_finished()
         self._manager.check_for_errors()
 
     def writing(self) -> bool:
-        """Whether a checkpoint is being written in the background (safe from any thread).
-
-        >>> import tempfile
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.writing()
-        False
-        """
+        """Whether a checkpoint is being written in the background (safe from any thread)."""
         return self._manager.is_saving_in_progress()
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint, or None.
-
-        >>> import tempfile, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     print(checkpoints.latest_step())
-        ...     checkpoints.save(state.replace(step=7))
-        ...     print(checkpoints.latest_step())
-        None
-        7
-        """
+        """The step of the newest complete checkpoint, or None."""
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        """The steps of every complete checkpoint kept, oldest first.
-
-        >>> import tempfile, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.save(state.replace(step=3))
-        ...     checkpoints.save(state.replace(step=5))
-        ...     print(checkpoints.all_steps())
-        [3, 5]
-        """
+        """The steps of every complete checkpoint kept, oldest first."""
         return list(self._manager.all_steps())
 
     def save(self, state: PipelineState, extra: dict[str, Any] | None = None) -> None:
@@ -251,17 +227,6 @@ class Checkpointer:
         Waits for the previous checkpoint's write, copies `state`'s arrays to host memory
         and returns; the files are written in the background (see `wait`). `state` may be
         donated to the next step as soon as it returns.
-
-        >>> import os, tempfile, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.save(state, {"epoch": 0})
-        ...     checkpoints.wait()
-        ...     print(os.listdir(directory), sorted(os.listdir(os.path.join(directory, "0"))))
-        ['0'] [..., 'meta', 'state']
         """
         meta = {
             "format": FORMAT,
@@ -285,34 +250,12 @@ class Checkpointer:
         """What checkpoint `step` (default the newest) holds beside its arrays: its `format`,
         the `dgrad` version that wrote it, its `step`, `num_stages` and the `extra` it was
         saved with. Reads one small file.
-
-        >>> import tempfile, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.save(state.replace(step=4), {"epoch": 2})
-        ...     print(checkpoints.meta())
-        {'format': 3, 'dgrad': '...', 'step': 4, 'num_stages': 1, 'extra': {'epoch': 2}}
         """
         self.wait()
         return dict(self._meta_reader.restore(self._step_path(self._require(step)) / "meta"))
 
     def extra(self, step: int | None = None) -> dict[str, Any]:
-        """The `extra` saved with checkpoint `step` (default the newest).
-
-        >>> import tempfile, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.save(state.replace(step=1), {"epoch": 0})
-        ...     checkpoints.save(state.replace(step=2), {"epoch": 1})
-        ...     print(checkpoints.extra(), checkpoints.extra(1))
-        {'epoch': 1} {'epoch': 0}
-        """
+        """The `extra` saved with checkpoint `step` (default the newest)."""
         return self.meta(step)["extra"]
 
     def restore(
@@ -329,25 +272,6 @@ class Checkpointer:
         another `FORMAT` raises `OtherFormat`; one that does not restore, `Unrestorable`;
         under several processes it does so on every process if it failed on any (each
         reads its own part).
-
-        >>> import tempfile, jax, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init(batch)
-        >>> other = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), optimizer=optax.sgd(0.1))
-        >>> _ = other.init(batch)
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.save(state, {"epoch": 0})
-        ...     restored, extra = checkpoints.restore(pipe)
-        ...     checkpoints.restore(other)
-        Traceback (most recent call last):
-            ...
-        dgrad.train.checkpoint.Unrestorable: ... does not restore: it holds 1 stages but ...
-        >>> same = jax.tree.map(jnp.array_equal, restored.stages, state.stages)
-        >>> extra, all(jax.tree.leaves(same))
-        ({'epoch': 0}, True)
         """
         self.wait()
         step = self._require(step)
@@ -395,18 +319,6 @@ class Checkpointer:
         """Moves checkpoint `step` (one that does not restore) into `damaged/` beside the
         others, where orbax does not look: kept to be looked at, out of the way of the
         saves of a run that redoes its steps. Returns where it went.
-
-        >>> import os, tempfile, jax.numpy as jnp, optax
-        >>> import dgrad
-        >>> from dgrad import models
-        >>> pipe = dgrad.Pipeline(models.mlp([4, 3], num_stages=1), optimizer=optax.sgd(0.1))
-        >>> state = pipe.init((jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32)))
-        >>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as checkpoints:
-        ...     checkpoints.save(state.replace(step=3))
-        ...     checkpoints.save(state.replace(step=5))
-        ...     where = checkpoints.set_aside(5)
-        ...     print(checkpoints.all_steps(), os.path.relpath(where, directory))
-        [3] damaged/5
         """
         self.wait()
         self._require(step)
