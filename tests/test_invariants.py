@@ -10,6 +10,7 @@ import pytest
 from helpers import (
     SMOOTH_OPTIMIZER,
     assert_close,
+    assert_equal,
     batches,
     build_pipeline,
     params_of,
@@ -202,3 +203,26 @@ def test_nonfinite_loss_is_flagged():
     state, _ = pipe.step(state, data[2])
     with pytest.raises(FloatingPointError, match="NaN or infinite"):
         pipe.check_finite(state)
+
+
+@pytest.mark.parametrize(
+    "model, options",
+    [
+        ("mlp", dict(method="fdg", beta=0.7)),
+        pytest.param("cnn", dict(method="ddg"), marks=SLOW),
+        pytest.param("mlp", dict(method="2bw", microbatches=2), marks=SLOW),
+        pytest.param("mlp", dict(method="fdg", predict="momentum", predict_lr=0.05), marks=SLOW),
+    ],
+)
+def test_keeping_the_records_sources_changes_no_number(model, options):
+    """record_sources (the training command's) only adds what the records were computed
+    from: weights, statistics, optimizer states and losses are those of a pipeline without
+    it, bit for bit; the control: the records do differ, by those sources."""
+    _, plain, plain_history = run_pipeline(model, 3, steps=7, **options)
+    _, kept, kept_history = run_pipeline(model, 3, steps=7, record_sources=True, **options)
+    for a, b in zip(plain.stages, kept.stages):
+        assert_equal((a.params, a.rest, a.opt_state), (b.params, b.rest, b.opt_state))
+    assert_equal(plain_history, kept_history)
+    records = [r for s in kept.stages for r in s.kept]
+    assert records and all(r.source is not None for r in records)
+    assert all(r.source is None for s in plain.stages for r in s.kept)
