@@ -787,8 +787,8 @@ class Pipeline:
         """
         stages = list(state.stages)
         for k, (fns, spec) in enumerate(zip(self.stages, self.specs)):
-            if fns.options.memory == "recompute":
-                continue  # its own records are StashedInputs: nothing to compute again
+            if not fns.keeps_sources:
+                continue  # none of its records was held as its source
             recompute = fns.compile(spec.residual_layout).recompute
             kept = tuple(
                 recompute(Vars(), Given(record=record))[1].record

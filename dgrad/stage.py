@@ -503,8 +503,11 @@ class StageFunctions:
                 "gradients, each taken at other weights, so an update that reads stale_params "
                 "(delay compensation) has no one set of them to read; use accumulate=1 with it."
             )
+        # A record of the forward's VJP keeps what it was computed from (`Residuals.source`);
+        # under memory="recompute" every record already is its forward's input.
+        self.keeps_sources = options.record_sources and options.memory != "recompute"
         self.keeps_forward_weights = (
-            options.probe_every is not None or reads_stale or options.record_sources
+            options.probe_every is not None or reads_stale or self.keeps_sources
         )
         # Where each output lives: the stage's state replicated on its devices, what it
         # sends split along the batch (a record's leaves are placed as it is made).
@@ -692,7 +695,7 @@ class StageFunctions:
             layout = self.residual_layout(params, rest, x)
             residuals = layout.pack(self._split_like_the_batch(jax.tree.leaves(vjp), layout))
             record = Residuals(residuals, params if self.keeps_forward_weights else None)
-            if self.options.record_sources:
+            if self.keeps_sources:
                 record = record.replace(inputs=_constrain(x, self.sharded), rest=rest)
         return y, new_rest, record
 

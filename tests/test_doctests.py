@@ -105,7 +105,8 @@ def _shown(obj, method_name: str, class_doc: str | None) -> bool:
     """Whether `obj` has an example of its own, or is a method its class's example calls."""
     if ">>>" in (obj.__doc__ or ""):
         return True
-    examples = [line for line in (class_doc or "").splitlines() if ">>>" in line or "..." in line]
+    lines = (class_doc or "").splitlines()
+    examples = [line for line in lines if line.lstrip().startswith((">>>", "..."))]
     return class_doc is not None and any(f".{method_name}(" in line for line in examples)
 
 

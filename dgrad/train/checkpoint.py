@@ -365,7 +365,7 @@ def stored(state: PipelineState) -> PipelineState:
     ('Residuals', 'StashedInputs')
     """
 
-    def held(record):
+    def held(record):  # (by attribute: dgrad.stage imports flax, which this module does not)
         source = getattr(record, "source", None)
         return record if source is None else source
 
