@@ -22,6 +22,23 @@ def test_digits_split_is_fixed_and_disjoint():
     assert abs(float(train.images.mean())) < 1e-5
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+
+    images, labels = data.digits._sklearn_digits()
+    theirs = load_digits()
+    np.testing.assert_array_equal(images[..., 0], theirs.images.astype(np.float32))
+    np.testing.assert_array_equal(labels, theirs.target)
+    assert images.dtype == np.float32 and labels.dtype == np.int32
+    imported = "from dgrad.data import digits; import sys; digits.load_digits(); "
+    imported += "print('sklearn' in sys.modules)"
+    status = subprocess.run([sys.executable, "-c", imported], capture_output=True, text=True)
+    assert status.stdout.strip() == "False", status.stderr
+
+
 def test_stream_is_a_pure_function_of_seed_and_step():
     source = data.synthetic(50, (4, 4, 3), seed=3)
     transform = augment.cifar_train((0.5,) * 3, (0.2,) * 3, padding=1)
