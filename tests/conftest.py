@@ -27,6 +27,11 @@ CACHE = {
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
 }
 os.environ.update(CACHE)
+# ... and each of their processes writes into it, not only process 0 (see startup/sitecustomize.py).
+STARTUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [STARTUP, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+)
 jax.config.update("jax_compilation_cache_dir", CACHE["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

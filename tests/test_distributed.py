@@ -224,3 +224,15 @@ def test_a_stop_on_two_processes_saves_the_same_step_on_both(tmp_path):
         cwd=ROOT,
     )
     assert f"resumed from the checkpoint at step {step} " in output
+
+
+def test_every_process_of_the_tests_writes_the_compilation_cache():
+    """The children of the tests load startup/sitecustomize.py: without it, processes after
+    the first compile every program again in every multi-process test (JAX writes its cache
+    from process 0 only, and a CPU program's key names its devices)."""
+    probe = "import jax._src.compiler as c; print(c._cache_write.__qualname__)"
+    written = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert written.stdout.strip() == "_write_from_every_process.<locals>.cache_write", written
+    bare = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=bare)
+    assert plain.stdout.strip() == "_cache_write", plain  # the control: JAX's own
