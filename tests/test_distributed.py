@@ -226,6 +226,7 @@ def test_a_stop_on_two_processes_saves_the_same_step_on_both(tmp_path):
     assert f"resumed from the checkpoint at step {step} " in output
 
 
+@pytest.mark.slow
 def test_every_process_of_the_tests_writes_the_compilation_cache():
     """The children of the tests load startup/sitecustomize.py: without it, processes after
     the first compile every program again in every multi-process test (JAX writes its cache
