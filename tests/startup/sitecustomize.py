@@ -14,6 +14,7 @@ imported, so a child that never imports JAX pays nothing, and if JAX's private
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 _MODULE = "jax._src.compiler"
 
@@ -31,9 +32,17 @@ def _write_from_every_process(compiler) -> None:
         cache_key, compile_time_secs, module_name, backend, executable, callbacks = args
         if distributed.global_state.process_id == 0 or callbacks or backend.platform != "cpu":
             return original(*args)
-        if compile_time_secs >= config.persistent_cache_min_compile_time_secs.value:
+        if compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
+            return
+        try:  # as JAX's own write: a failed write warns, the compiled program still runs
             compilation_cache.put_executable_and_time(
                 cache_key, module_name, executable, backend, int(compile_time_secs)
+            )
+        except Exception as error:
+            warnings.warn(
+                f"Error writing persistent compilation cache entry for '{module_name}': "
+                f"{type(error).__name__}: {error}",
+                stacklevel=2,
             )
 
     compiler._cache_write = cache_write
