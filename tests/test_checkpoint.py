@@ -459,3 +459,19 @@ def test_a_save_waits_for_the_write_before_it_and_keep_counts_complete_ones(tmp_
         released.set()
         assert checkpoints.extra(3) == {"note": "at 3"}  # (waits for the write)
         assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+
+
+def test_an_error_becomes_one_short_line_that_keeps_its_head_and_its_cause():
+    import json
+
+    from dgrad.train.checkpoint import _one_line
+
+    spec = " [tensorstore_spec='{...}']"
+    message = "OUT_OF_RANGE: Requested byte range [0, 924) is not valid"
+    assert _one_line(ValueError(message + "\n" + spec)) == message  # orbax's: no type, no spec
+    try:
+        json.loads("{not json")
+    except ValueError as error:
+        assert _one_line(error).startswith("JSONDecodeError: Expecting property name")
+    long = _one_line(ValueError("NOT_FOUND: Error reading " + "a/" * 200 + "d/4f1c"), limit=40)
+    assert long == "NOT_FOUND: Error  ... a/a/a/a/a/a/a/d/4f1c"

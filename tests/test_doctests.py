@@ -42,6 +42,7 @@ ALLOWED_WITHOUT_EXAMPLE: set[str] = {
     "dgrad.data.text.Corpus",  # stdlib_corpus
     "dgrad.train.config.runs.Run",  # runs_of
     "dgrad.train.loop.RunContext",  # train_run
+    "dgrad.train.loop.Due",  # due_after
     "dgrad.train.sweep.Quantity",  # quantity_of
 }
 

@@ -1,46 +1,24 @@
 """Checkpoints of a whole pipeline state, including what is in flight, with orbax.
 
-A `PipelineState` between two steps holds more than weights: each stage's
-optimizer state, the records kept for delayed backwards (stashed weights,
-residuals or inputs) and the activations and cotangents travelling between
-stages. `Checkpointer` saves the state pytree, with a JSON item beside it for
-the step and the caller's metadata, so that a resumed run continues bit for
-bit. A record of a forward's VJP that keeps its `source` (the pipeline option
-`record_sources`: the forward's input, weights and statistics) is saved as
-that source, and its VJP computed again on restore by the same forward: the
-checkpoint holds what determines the run, about the size of the model and
-the batches in flight, not every activation a VJP keeps. Which records and
-messages exist after step t follows from the timetable alone
-(`Pipeline.state_structure`), so restoring needs no saved layout: orbax reads
-every array straight onto the devices of its stage in the restoring pipeline,
-whatever its device layout, number of replicas or processes.
+A `PipelineState` between two steps holds each stage's weights and optimizer state,
+the records kept for delayed backwards and the messages travelling between stages.
+`Checkpointer` saves it with a JSON item beside it (the step, the caller's metadata,
+the `FORMAT`), so that a resumed run continues bit for bit. A record that keeps its
+`source` (the option `record_sources`) is saved as that source and its VJP computed
+again on restore: a checkpoint is about the size of the model and the batches in
+flight. Which records and messages exist after step t follows from the timetable
+(`Pipeline.state_structure`), so orbax reads every array straight onto its stage's
+devices in the restoring pipeline, whatever its layout or number of processes.
 
-A save returns once orbax has copied the arrays to host memory (`np.asarray` of
-each shard, blocking); the files are written in the background while training
-goes on, and the next save, `wait`, `meta`, `restore`, `set_aside` and `close`
-wait for that write. The copy keeps the saved arrays safe from the next step,
-which donates the state's buffers: on GPU it is a copy, and on CPU, where it is
-a view of the device buffer, XLA does not reuse a buffer that a view holds.
-Each save is atomic: orbax writes into `<step>.orbax-checkpoint-tmp`, renames
-it when complete and only then deletes the checkpoints beyond `keep`, so a run
-killed while a checkpoint is written resumes from the last complete one (and
-the same step saved again replaces the leftover). A checkpoint that does not
-restore (a file of it damaged or missing, or a state of another structure)
-raises `Unrestorable`, one line naming it and what failed; `set_aside` moves
-it where orbax does not look. Every checkpoint names its format (`FORMAT`) in its
-meta; one of another format raises `OtherFormat`, one line that says which
-dgrad reads it.
+A save returns once the arrays are copied to host memory; the files are written in the
+background, atomically (orbax renames a complete checkpoint into place, then deletes those
+beyond `keep`). A checkpoint that does not restore raises `Unrestorable` in one line and
+`set_aside` moves it where orbax does not look; one of another format raises `OtherFormat`.
 
-Under several processes every process calls `save`, `restore` and `set_aside`;
-each writes and reads its own shards, and none may have a collective in flight
-(a `dgrad.placement.share` not yet read, say) when it creates or saves: the
-barriers of `save` itself are collectives, and one could pair with it. The
-background write's barriers go through the `jax.distributed` key-value store,
-never the devices, so steps may run beside it; process 0 renames a checkpoint
-into place only once every process has written its part, so all of them see
-the same complete checkpoints. Restoring has no barrier: the processes tell
-each other through the `jax.distributed` key-value store whether their part
-restored, so that all of them succeed or fail together.
+Under several processes every process calls `save`, `restore` and `set_aside` with no
+collective of its own in flight (orbax's barriers are collectives); the background
+write's barriers use the `jax.distributed` key-value store, and so does `restore` to
+make every process succeed or fail together.
 
 >>> import tempfile, jax, jax.numpy as jnp, optax
 >>> import dgrad
@@ -203,9 +181,7 @@ class Checkpointer:
         self._state_reader.close()
 
     def wait(self) -> None:
-        """Waits for the checkpoint being written in the background (if any) to be complete;
-        raises what failed in its write.
-        """
+        """Waits for the background write (if any) to be complete; raises what failed in it."""
         self._manager.wait_until_finished()
         self._manager.check_for_errors()
 
@@ -222,11 +198,9 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, state: PipelineState, extra: dict[str, Any] | None = None) -> None:
-        """Saves `state` (and the JSON-able `extra`) as checkpoint number `state.step`.
-
-        Waits for the previous checkpoint's write, copies `state`'s arrays to host memory
-        and returns; the files are written in the background (see `wait`). `state` may be
-        donated to the next step as soon as it returns.
+        """Saves `state` (and the JSON-able `extra`) as checkpoint number `state.step`:
+        waits for the previous write, copies the arrays to host memory and returns (`state`
+        may then be donated); the files are written in the background.
         """
         meta = {
             "format": FORMAT,
@@ -247,9 +221,8 @@ class Checkpointer:
         )
 
     def meta(self, step: int | None = None) -> dict[str, Any]:
-        """What checkpoint `step` (default the newest) holds beside its arrays: its `format`,
-        the `dgrad` version that wrote it, its `step`, `num_stages` and the `extra` it was
-        saved with. Reads one small file.
+        """What checkpoint `step` (default the newest) holds beside its arrays: `format`,
+        `dgrad` (the version that wrote it), `step`, `num_stages` and `extra`.
         """
         self.wait()
         return dict(self._meta_reader.restore(self._step_path(self._require(step)) / "meta"))
@@ -264,14 +237,10 @@ class Checkpointer:
         step: int | None = None,
         check: Callable[[dict[str, Any]], None] | None = None,
     ) -> tuple[PipelineState, dict[str, Any]]:
-        """Checkpoint `step` (default the newest) as a state of `pipe`, and its `extra`.
-
-        `pipe` must be initialised (`pipe.init(example_batch)`); every array goes
-        to the devices `pipe` places its stage on. `check(meta)` may refuse the
-        checkpoint (by raising) on its `meta` before any array is read. A checkpoint of
-        another `FORMAT` raises `OtherFormat`; one that does not restore, `Unrestorable`;
-        under several processes it does so on every process if it failed on any (each
-        reads its own part).
+        """Checkpoint `step` (default the newest) as a state of the initialised `pipe`,
+        placed on its devices, and its `extra`. `check(meta)` may refuse it (by raising)
+        before any array is read. Raises `OtherFormat` or `Unrestorable`; under several
+        processes, on every process if it failed on any.
         """
         self.wait()
         step = self._require(step)
@@ -296,8 +265,7 @@ class Checkpointer:
         return pipe.recompute_records(restored), meta["extra"]
 
     def _target(self, pipe, meta: dict[str, Any]) -> PipelineState:
-        """The state of `pipe` after `meta["step"]` steps, as abstract arrays; a ValueError
-        if the checkpoint holds another number of stages."""
+        """The abstract state of `pipe` after `meta['step']` steps; a ValueError for another K."""
         if meta["num_stages"] != pipe.num_stages:
             raise ValueError(
                 f"it holds {meta['num_stages']} stages but this pipeline has "
@@ -317,8 +285,7 @@ class Checkpointer:
 
     def set_aside(self, step: int) -> str:
         """Moves checkpoint `step` (one that does not restore) into `damaged/` beside the
-        others, where orbax does not look: kept to be looked at, out of the way of the
-        saves of a run that redoes its steps. Returns where it went.
+        others, out of orbax's sight and of the way of later saves; returns where it went.
         """
         self.wait()
         self._require(step)
@@ -351,8 +318,8 @@ class Checkpointer:
 
 def stored(state: PipelineState) -> PipelineState:
     """`state` as a checkpoint holds it: each record of a VJP that keeps its source
-    replaced by that source (`dgrad.stage.Residuals.source`), which `restore` forwards
-    again (`dgrad.Pipeline.recompute_records`). Works alike on arrays and on their shapes.
+    replaced by that source, which `restore` forwards again
+    (`dgrad.Pipeline.recompute_records`). Works alike on arrays and on their shapes.
 
     >>> import jax.numpy as jnp, optax
     >>> import dgrad
@@ -375,21 +342,8 @@ def stored(state: PipelineState) -> PipelineState:
 
 
 def _one_line(error: BaseException, limit: int = 300) -> str:
-    """`error`'s message on one line, without tensorstore's spec and shortened to about
-    `limit` characters (its start and its end), after its type unless it is a plain
-    ValueError (orbax's and dgrad's say what they are).
-
-    >>> spec = " [tensorstore_spec='{...}']"
-    >>> _one_line(ValueError("OUT_OF_RANGE: Requested byte range [0, 924) is not valid" + spec))
-    'OUT_OF_RANGE: Requested byte range [0, 924) is not valid'
-    >>> import json
-    >>> try:
-    ...     json.loads("{not json")
-    ... except ValueError as error:
-    ...     print(_one_line(error))
-    JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)
-    >>> _one_line(ValueError("NOT_FOUND: Error reading " + "a/" * 200 + "d/4f1c"), limit=40)
-    'NOT_FOUND: Error  ... a/a/a/a/a/a/a/d/4f1c'
+    """`error`'s message on one line, without tensorstore's spec, shortened to about
+    `limit` characters (its head and its tail), after its type unless a plain ValueError.
     """
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
     text = text.split(" [tensorstore_spec=")[0]
@@ -401,14 +355,9 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 
 
 def _ignore_reads_left_behind() -> None:
-    """Keeps quiet the reads that a failed restore leaves in flight: orbax closes its event
-    loop at the first failure, and each read that ends later (even before the failure
-    reaches `restore`) raises `RuntimeError('Event loop is closed')` in tensorstore's
-    thread, which Python prints as a traceback. Only that error is dropped.
-
-    >>> _ignore_reads_left_behind()
-    >>> sys.unraisablehook.__name__
-    'ignoring_reads_left_behind'
+    """Keeps quiet the reads a failed restore leaves in flight: each raises
+    `RuntimeError('Event loop is closed')` in tensorstore's thread once orbax closed its
+    loop, which Python would print as a traceback. Only that error is dropped.
     """
     if getattr(sys.unraisablehook, "__name__", "") == "ignoring_reads_left_behind":
         return
@@ -426,12 +375,8 @@ _RESTORES = itertools.count()  # calls so far; every process makes them in the s
 
 
 def _first_failure(failure: str | None, timeout_s: float = 3600.0) -> str | None:
-    """The failure of the lowest process whose part failed (None: every part restored),
-    the same on every process, which waits for all of them to say (through the
-    `jax.distributed` key-value store, as `dgrad.train.distributed.StopVote`).
-
-    >>> _first_failure("its meta: JSONDecodeError"), _first_failure(None)  # one process
-    ('its meta: JSONDecodeError', None)
+    """The failure of the lowest process whose part failed (None: none did), the same on
+    every process, told through the `jax.distributed` key-value store.
     """
     if jax.process_count() == 1:
         return failure
@@ -487,12 +432,7 @@ def _check_structure(stored, saved) -> None:
 
 
 def _mismatch(path, holds_or_lacks: str) -> ValueError:
-    """The one line for a checkpoint that `holds_or_lacks` an array at `path` of this
-    pipeline's state: it was written with other options.
-
-    >>> print(_mismatch(("stages", "0", "opt_state", "0", "mu"), "lacks"))
-    The checkpoint lacks stages/0/opt_state/0/mu of this pipeline's state: it was saved ...
-    """
+    """The one line for a checkpoint that `holds_or_lacks` an array at `path`."""
     return ValueError(
         f"The checkpoint {holds_or_lacks} {'/'.join(path)} "
         f"{'beyond' if holds_or_lacks == 'holds' else 'of'} this pipeline's state: it was "
@@ -503,14 +443,7 @@ def _mismatch(path, holds_or_lacks: str) -> ValueError:
 
 
 def _is_stashed_weight(path) -> bool:
-    """Whether `path` is inside the weights a stage's kept record stashed
-    (`stages/<k>/kept/<i>/params/...`).
-
-    >>> _is_stashed_weight(("stages", "0", "kept", "1", "params", "layers", "kernel"))
-    True
-    >>> _is_stashed_weight(("stages", "0", "params", "layers", "kernel"))
-    False
-    """
+    """Whether `path` is inside a kept record's stashed weights."""
     match path:
         case ("stages", _stage, "kept", _record, "params", _, *_):
             return True

@@ -63,14 +63,8 @@ def parse_grid(text: str) -> dict[str, list[Any]]:
     """`field=v1,v2 other=w1` into `{field: [v1, v2], other: [w1]}`, each value typed as
     its field (SweepError naming the field otherwise, or a value given twice).
 
-    >>> parse_grid("method=ddg,fdg beta=0.5 optimizer.learning_rate=0.05")
-    {'method': ['ddg', 'fdg'], 'beta': [0.5], 'optimizer.learning_rate': [0.05]}
-    >>> parse_grid("model.hidden=64,128/128")  # a tuple's numbers are joined by /
-    {'model.hidden': [(64,), (128, 128)]}
-    >>> parse_grid("num_stages=two")
-    Traceback (most recent call last):
-    ...
-    dgrad.train.sweep.SweepError: --grid num_stages=two: expected int
+    >>> parse_grid("method=ddg,fdg beta=0.5 model.hidden=64,128/128")  # a tuple's numbers: /
+    {'method': ['ddg', 'fdg'], 'beta': [0.5], 'model.hidden': [(64,), (128, 128)]}
     """
     grid: dict[str, list[Any]] = {}
     tuples = {f.name for f in fields.FIELDS if isinstance(f.default, tuple)}
@@ -97,9 +91,13 @@ def parse_grid(text: str) -> dict[str, list[Any]]:
 class Combination:
     """One combination of the grid.
 
-    >>> run = Combination((("method", "fdg"), ("num_stages", 4)))
-    >>> run.name  # its directory under runs/
-    'method-fdg_num_stages-4'
+    >>> run = Combination((("method", "fdg"), ("model.hidden", (64, 64))))
+    >>> run.name, run.describe()  # its directory under runs/, and its words in logs
+    ('method-fdg_model-hidden-64x64', 'method=fdg model.hidden=64/64')
+    >>> run.overrides()  # the training command's arguments
+    ['--config.method=fdg', '--config.model.hidden=64,64']
+    >>> run.config(fields.base()).model.hidden  # a copy of the config given, set
+    (64, 64)
     """
 
     settings: tuple[tuple[str, Any], ...]
@@ -111,19 +109,11 @@ class Combination:
         )
 
     def describe(self) -> str:
-        """The settings as `field=value` words, for logs and notes.
-
-        >>> Combination((("method", "fdg"), ("model.hidden", (64, 64)))).describe()
-        'method=fdg model.hidden=64/64'
-        """
+        """The settings as `field=value` words, for logs and notes."""
         return " ".join(f"{k}={_text(v)}" for k, v in self.settings)
 
     def overrides(self) -> list[str]:
-        """The settings as the training command's `--config.<field>=<value>` arguments.
-
-        >>> Combination((("method", "fdg"), ("model.hidden", (64, 64)))).overrides()
-        ['--config.method=fdg', '--config.model.hidden=64,64']
-        """
+        """The settings as the training command's `--config.<field>=<value>` arguments."""
 
         def text(value):
             return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
@@ -131,12 +121,7 @@ class Combination:
         return [f"--config.{k}={text(v)}" for k, v in self.settings]
 
     def config(self, base: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-        """A copy of `base` with the settings applied (`base` itself is left alone).
-
-        >>> from dgrad.train import config as fields
-        >>> Combination((("num_stages", 4),)).config(fields.base()).num_stages
-        4
-        """
+        """A copy of `base` with the settings applied (`base` itself is left alone)."""
         config = base.copy_and_resolve_references()
         for name, value in self.settings:
             fields.set_field(config, name, value)
@@ -152,8 +137,6 @@ def expand(base, grid: dict[str, list[Any]]) -> tuple[list[Combination], list[st
     ['method=bp beta=1.0', 'method=fdg beta=1.0', 'method=fdg beta=0.5']
     >>> skipped
     ['method=bp beta=0.5: beta=0.5 asks for gradient shrinking, which only FDG has; ...']
-    >>> runs[-1].overrides()
-    ['--config.method=fdg', '--config.beta=0.5']
     """
     names = list(grid)
     runs, refused, fitting = [], [], set()
@@ -190,11 +173,21 @@ class Sweep:
       overrides: `--config.<field>=<value>` applied to every run.
 
     >>> import tempfile
-    >>> with tempfile.TemporaryDirectory() as workdir:
-    ...     sweep = Sweep("experiments/configs/default.py:smoke",
-    ...                   parse_grid("method=bp,fdg beta=1,0.5"), workdir)
+    >>> workdir = tempfile.TemporaryDirectory()
+    >>> sweep = Sweep("experiments/configs/default.py:smoke",
+    ...               parse_grid("method=bp,fdg beta=1,0.5"), workdir.name)
     >>> [run.describe() for run in sweep.runs], len(sweep.skipped)  # bp cannot shrink
     (['method=bp beta=1.0', 'method=fdg beta=1.0', 'method=fdg beta=0.5'], 1)
+    >>> sweep.claim()  # sweep.json holds its identity(): another sweep is refused there
+    >>> sweep.identity()["grid"]
+    {'method': ['bp', 'fdg'], 'beta': [1.0, 0.5]}
+    >>> sweep.command(sweep.runs[2])[3:]  # each run trains in its run_dir()
+    ['--config=...:smoke', '--config.method=fdg', '--config.beta=0.5', '--workdir=...-0.5']
+    >>> sweep.run_dir(sweep.runs[2]) == sweep.command(sweep.runs[2])[-1].split("=")[1]
+    True
+    >>> sweep.results()  # a row for each run that has evaluated: none yet
+    []
+    >>> workdir.cleanup()
     """
 
     def __init__(self, config_spec: str, grid, workdir, overrides: Sequence[str] = ()):
@@ -206,32 +199,14 @@ class Sweep:
         self.runs, self.skipped = expand(base, grid)
 
     def identity(self) -> dict[str, Any]:
-        """What makes a sweep this one (its `sweep.json`): config, overrides and grid.
-
-        >>> sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"), "w")
-        >>> sweep.identity()
-        {'config': '...default.py:smoke', 'overrides': [], 'grid': {'seed': [0, 1]}}
-        """
+        """What makes a sweep this one (its `sweep.json`): config, overrides and grid."""
         grid = {
             k: [list(v) if isinstance(v, tuple) else v for v in vs] for k, vs in self.grid.items()
         }
         return {"config": self.config_spec, "overrides": self.overrides, "grid": grid}
 
     def claim(self) -> None:
-        """Makes the workdir this sweep's, or refuses one that holds another sweep.
-
-        >>> import os, tempfile
-        >>> spec, workdir = "experiments/configs/default.py:smoke", tempfile.TemporaryDirectory()
-        >>> Sweep(spec, parse_grid("seed=0,1"), workdir.name).claim()
-        >>> Sweep(spec, parse_grid("seed=0,1"), workdir.name).claim()  # the same: it resumes
-        >>> os.listdir(workdir.name)
-        ['sweep.json']
-        >>> Sweep(spec, parse_grid("seed=2"), workdir.name).claim()
-        Traceback (most recent call last):
-            ...
-        dgrad.train.sweep.SweepError: ... holds another sweep (...); use a new --workdir, ...
-        >>> workdir.cleanup()
-        """
+        """Makes the workdir this sweep's; refuses one holding another sweep or other files."""
         path = os.path.join(self.workdir, SWEEP_FILE)
         if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
             raise SweepError(f"--workdir {self.workdir} is a file; give a directory.")
@@ -260,25 +235,11 @@ class Sweep:
             json.dump(self.identity(), f, indent=2)
 
     def run_dir(self, run: Combination) -> str:
-        """The workdir of `run`'s training command.
-
-        >>> import os
-        >>> sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"), "w")
-        >>> os.path.relpath(sweep.run_dir(sweep.runs[1]), sweep.workdir)
-        'runs/seed-1'
-        """
+        """The workdir of `run`'s training command."""
         return os.path.join(self.workdir, "runs", run.name)
 
     def command(self, run: Combination) -> list[str]:
-        """The training command of `run`, as argv.
-
-        >>> sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"), "w")
-        >>> command = sweep.command(sweep.runs[1])
-        >>> command[1:4]
-        ['-m', 'experiments.train', '--config=experiments/configs/default.py:smoke']
-        >>> command[4:]
-        ['--config.seed=1', '--workdir=.../w/runs/seed-1']
-        """
+        """The training command of `run`, as argv."""
         return [
             sys.executable,
             "-m",
@@ -358,21 +319,7 @@ class Sweep:
         return failed
 
     def results(self) -> list[dict[str, Any]]:
-        """One row per run that has evaluated at least once.
-
-        >>> import os, tempfile
-        >>> with tempfile.TemporaryDirectory() as workdir:
-        ...     sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"),
-        ...                   workdir)
-        ...     run_dir = os.path.join(sweep.run_dir(sweep.runs[0]), "fdg_k2")
-        ...     os.makedirs(run_dir)  # as if seed 0 had trained 2 of its 3 epochs in 2 s
-        ...     with metrics.MetricWriter(os.path.join(run_dir, "metrics.jsonl")) as writer:
-        ...         writer.write({"kind": "epoch", "step": 16, "epoch": 2, "test_accuracy": 0.5,
-        ...                       "train_loss": 1.0, "seconds": 2.0})
-        ...     rows = sweep.results()
-        >>> rows  # seed 1 has not evaluated: no row
-        [{'seed': 0, 'epochs': 2, 'finished': False, 'final_test_accuracy': 0.5, ...}]
-        """
+        """One row per run that has evaluated at least once."""
         rows = []
         for run in self.runs:
             run_dir = self.run_dir(run)
@@ -412,21 +359,20 @@ class Sweep:
         return rows
 
     def summarise(self) -> dict[str, str]:
-        """Writes results.csv, results.md and results.png; returns their paths.
+        """Writes results.csv, results.md and results.png from `results()`; returns their paths.
 
         >>> import os, tempfile
         >>> with tempfile.TemporaryDirectory() as workdir:
-        ...     sweep = Sweep("experiments/configs/default.py:smoke", parse_grid("seed=0,1"),
-        ...                   workdir)
-        ...     for run, accuracy in zip(sweep.runs, (0.5, 0.7)):
+        ...     spec = "experiments/configs/default.py:smoke"
+        ...     sweep = Sweep(spec, parse_grid("seed=0,1"), workdir)
+        ...     for run, accuracy in zip(sweep.runs, (0.5, 0.7)):  # as if both had trained
         ...         run_dir = os.path.join(sweep.run_dir(run), "fdg_k2")
         ...         os.makedirs(run_dir)
         ...         with metrics.MetricWriter(os.path.join(run_dir, "metrics.jsonl")) as writer:
         ...             writer.write({"kind": "epoch", "step": 24, "epoch": 3,
         ...                           "test_accuracy": accuracy, "seconds": 2.0})
-        ...     paths = sweep.summarise()
-        ...     print(sorted(paths), open(paths["md"]).read().splitlines()[2])
-        ['csv', 'md', 'png'] | all | 60.00 [50.00-70.00] (n=2) |
+        ...     print(len(sweep.results()), open(sweep.summarise()["md"]).read().splitlines()[2])
+        2 | all | 60.00 [50.00-70.00] (n=2) |
         """
         rows = self.results()
         if not rows:
@@ -468,8 +414,6 @@ BITS_PER_BYTE = Quantity("final_test_bits_per_byte", "test bits per byte", 1.0, 
 def quantity_of(rows) -> Quantity:
     """Bits per byte when every run is a language model's (lower is better), else accuracy.
 
-    >>> quantity_of([{"final_test_accuracy": 0.2, "final_test_bits_per_byte": 2.5}]).title
-    'test bits per byte'
     >>> quantity_of([{"final_test_accuracy": 0.9}]).title
     'test accuracy %'
     """
