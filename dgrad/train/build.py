@@ -49,20 +49,13 @@ def steps_per_epoch(
     config: ml_collections.ConfigDict, dataset: data.Dataset, *, cut: bool = False
 ) -> int:
     """Batches per epoch: the training split's full batches, or `config.steps_per_epoch` if
-    fewer. More is refused, or with `cut` (a workdir started so by an earlier version, which
-    cut it silently) cut to the split's.
+    fewer. More raises a ValueError, or with `cut` (a workdir started so by an earlier
+    version, which cut it silently) is cut to the split's.
 
     >>> from dgrad.train import config as fields
     >>> config = fields.base()
     >>> config.dataset, config.batch_size = "digits", 100
-    >>> dataset = load_dataset(config)
-    >>> steps_per_epoch(config, dataset)  # 1438 // 100
-    14
-    >>> config.steps_per_epoch = 5
-    >>> steps_per_epoch(config, dataset)
-    5
-    >>> config.steps_per_epoch = 50
-    >>> steps_per_epoch(config, dataset, cut=True)
+    >>> steps_per_epoch(config, load_dataset(config))  # 1438 // 100
     14
     """
     full = data.Stream(  # (it checks the batch size)
@@ -146,10 +139,6 @@ def learning_rate(
     >>> rate = learning_rate(config, "fdg", steps_per_epoch=10)
     >>> [round(float(rate(n)), 6) for n in (0, 1499, 1500, 2250)]
     [0.1, 0.1, 0.01, 0.001]
-    >>> config.optimizer.warmup_epochs = 1  # 10 updates: lr * (0.01 + 0.99 * (n + 1) / 10)
-    >>> rate = learning_rate(config, "fdg", steps_per_epoch=10)
-    >>> [round(float(rate(n)), 6) for n in (0, 4, 9, 10)]
-    [0.0109, 0.0505, 0.1, 0.1]
     """
     spec = resolved_optimizer(config, method)
     updates_per_epoch = steps_per_epoch / accumulate
@@ -184,19 +173,14 @@ def build_optimizer(
     the asynchronous-pipeline Nesterov, whose momentum per stage follows that stage's
     staleness among `num_stages`) on its schedule, each stage's gradient clipped by its own
     norm if `clip_norm` is set: an optax transformation, or a function of the stage index.
-
-    Schedules count each stage's own updates (so a stage that starts updating
-    later in an FDG pipeline reaches each boundary a few steps later).
+    Schedules count each stage's own updates (a stage that starts updating later in an
+    FDG pipeline reaches each boundary a few steps later).
 
     >>> import jax.numpy as jnp
     >>> from dgrad.train import config as fields
-    >>> config = fields.base()
-    >>> tx = build_optimizer(config, "ddg", steps_per_epoch=10)  # Nesterov: lr * (1 + 0.9)
+    >>> tx = build_optimizer(fields.base(), "ddg", steps_per_epoch=10)  # Nesterov: lr (1 + 0.9)
     >>> tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))[0]
     Array([-0.19, -0.19], dtype=float32)
-    >>> tx = build_optimizer(config, "fdg", steps_per_epoch=10)  # plain momentum
-    >>> tx.update(jnp.ones(2), tx.init(jnp.zeros(2)), jnp.zeros(2))[0]
-    Array([-0.1, -0.1], dtype=float32)
     """
     spec = resolved_optimizer(config, method)
     rate = learning_rate(config, method, steps_per_epoch, accumulate)

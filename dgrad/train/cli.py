@@ -14,9 +14,8 @@ step and exit status 128 + signal. Under several processes (`--coordinator`,
 `--num_processes`, `--process_id`, or `--distributed` on a cluster JAX knows)
 every process runs this same command.
 
-Overrides are parsed here rather than by `ml_collections.config_flags`, which
-reads `sys.argv` while its flags are being defined and answers a misspelled
-field with a traceback.
+(Overrides are parsed here, not by `ml_collections.config_flags`, which answers a
+misspelled field with a traceback.)
 """
 
 from __future__ import annotations
@@ -67,10 +66,6 @@ class OneLineParser(argparse.ArgumentParser):
         """Prints `error: <message>` on stderr and exits with status 2, or raises the
         parser's `raises` exception with that line (for callers that print it themselves).
 
-        >>> OneLineParser(prog="x").error("--steps takes a number")
-        Traceback (most recent call last):
-        ...
-        SystemExit: 2
         >>> OneLineParser(prog="x", raises=UsageError).error("--steps takes a number")
         Traceback (most recent call last):
         ...
@@ -146,10 +141,6 @@ def load_config(spec: str):
     >>> config, name = load_config("experiments/configs/default.py:smoke")
     >>> name, config.method
     ('default', 'fdg')
-    >>> load_config("nope.py")
-    Traceback (most recent call last):
-    ...
-    dgrad.train.cli.UsageError: --config nope.py: no such file (the configs are in ...)
     """
     try:
         return config_files.load(spec)
@@ -161,12 +152,8 @@ def config_overrides(rest: Sequence[str]) -> list[str]:
     """The `--config.<field>=<value>` arguments among those a parser left; `UsageError` on
     any other.
 
-    >>> config_overrides(["--config.seed=3"])
-    ['--config.seed=3']
-    >>> config_overrides(["--config.seed=3", "--sed=3"])
-    Traceback (most recent call last):
-    ...
-    dgrad.train.cli.UsageError: unknown argument --sed=3 (--help lists the flags)
+    >>> config_overrides(["--config.seed=3", "--config.beta=0.5"])
+    ['--config.seed=3', '--config.beta=0.5']
     """
     unknown = [a for a in rest if not a.startswith("--config.")]
     if unknown:

@@ -1,4 +1,6 @@
-"""Test loss and accuracy over a whole split, through the pipeline's own loss.
+"""Test loss and accuracy over a whole split, through the pipeline's own loss, in
+evaluation mode with the current weights. Every process calls `evaluate` and gets the
+same record.
 
 >>> import jax.numpy as jnp, optax, dgrad
 >>> from dgrad import data, models
@@ -24,12 +26,13 @@ from dgrad.state import PipelineState
 
 
 class Limited:
-    """The first `n` examples of a source (for smoke-sized evaluation).
+    """The first `n` examples of a source (for smoke-sized evaluation), never more than
+    it has.
 
     >>> from dgrad import data
     >>> few = Limited(data.synthetic(10, (2, 2, 1)), 4)
-    >>> len(few), len(Limited(few, 100))  # never more than the source has
-    (4, 4)
+    >>> len(few), few.get([0, 1])[1].shape  # (images, labels) as the source's `get`
+    (4, (2,))
     """
 
     def __init__(self, source: data.Source, n: int):
@@ -39,14 +42,7 @@ class Limited:
         return self.n
 
     def get(self, indices):
-        """The source's examples at `indices` (which `len` keeps below `n`).
-
-        >>> import numpy as np
-        >>> from dgrad import data
-        >>> source = data.synthetic(10, (2, 2, 1))
-        >>> bool((Limited(source, 4).get(np.arange(3))[1] == source.labels[:3]).all())
-        True
-        """
+        """The source's examples at `indices` (which `len` keeps below `n`)."""
         return self.source.get(indices)
 
 
@@ -59,9 +55,9 @@ def evaluate(
     on_batch: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """`test_<metric>` means of `loss_fn`'s loss and metrics over all of `source`, in
-    evaluation mode with the current weights (padded last batch masked out). Batches
-    are rounded up to a multiple of the replicas; the padding is masked out too.
-    `on_batch` is called after each batch is dispatched (a watchdog's beat).
+    evaluation mode with the current weights. Batches are rounded up to a multiple of the
+    replicas; the last one is padded, and the padding masked out. `on_batch` is called
+    after each batch is dispatched (a watchdog's beat).
 
     >>> import optax, dgrad
     >>> from dgrad import data, models
@@ -69,10 +65,8 @@ def evaluate(
     >>> pipe = dgrad.Pipeline(models.mlp([64, 32, 10], num_stages=2), method="fdg",
     ...                       optimizer=optax.sgd(0.1))
     >>> state = pipe.init(data.Stream(ds.train, 32, transform=ds.train_transform, seed=0).batch(0))
-    >>> record = evaluate(pipe, state, Limited(ds.test, 150), ds.eval_transform, batch_size=100)
-    >>> correct = record["test_accuracy"] * 150  # 150 examples: the 50 of padding count for none
-    >>> abs(correct - round(correct)) < 1e-3
-    True
+    >>> evaluate(pipe, state, Limited(ds.test, 150), ds.eval_transform, batch_size=100)
+    {'test_accuracy': ..., 'test_loss': ...}
     """
     replicas = pipe.placement.data_parallel
     batch_size = -(-batch_size // replicas) * replicas

@@ -1,20 +1,15 @@
-"""The trained stages merged into one model on one device, for evaluation and inference.
+"""The trained stages merged into one model on one device, for evaluation and inference,
+saved with orbax and loaded again into freshly built stages.
 
->>> import jax, jax.numpy as jnp, optax
->>> import dgrad
+>>> import jax.numpy as jnp, numpy as np, optax, tempfile, dgrad
 >>> from dgrad import models
->>> stages = models.mlp([4, 8, 3], num_stages=2)
->>> pipe = dgrad.Pipeline(stages, method="ddg", optimizer=optax.sgd(0.1))
+>>> pipe = dgrad.Pipeline(models.mlp([4, 8, 3], num_stages=2), method="ddg",
+...                       optimizer=optax.sgd(0.1))
 >>> batch = (jnp.ones((2, 4)), jnp.zeros((2,), jnp.int32))
 >>> state, _ = pipe.step(pipe.init(batch), batch)
 >>> model = merge(pipe, state)
->>> import numpy as np
 >>> bool(np.allclose(model(batch[0]), pipe.predict(state, batch[0])))
 True
-
-Saved and loaded again into freshly built stages:
-
->>> import tempfile
 >>> path = save(model, tempfile.mkdtemp() + "/model")
 >>> again = load(models.mlp([4, 8, 3], num_stages=2, rngs=1), path)
 >>> bool(jnp.array_equal(again(batch[0]), model(batch[0])))
@@ -37,12 +32,11 @@ from dgrad.state import PipelineState
 
 
 def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None) -> nnx.Sequential:
-    """One `nnx.Sequential` of all stages with `state`'s current weights, in eval mode.
-
-    Every array is copied to `device` (default the first stage's first device),
-    so the model runs on one device and shares no buffer with the pipeline.
-    Under several processes the arrays are instead gathered onto one device of
-    every process (`dgrad.placement.share`), and every process calls `save`.
+    """One `nnx.Sequential` of all stages with `state`'s current weights, in eval mode,
+    auxiliary heads left out. Every array is copied to `device` (default the first stage's
+    first device), so the model shares no buffer with the pipeline; under several processes
+    the arrays are gathered onto one device of every process (`dgrad.placement.share`), and
+    every process calls `save`.
 
     >>> import jax.numpy as jnp, optax, dgrad
     >>> from dgrad import models
@@ -67,9 +61,8 @@ def merge(pipe: Pipeline, state: PipelineState, device: jax.Device | None = None
 
 
 def save(model: nnx.Module, directory: str | os.PathLike) -> str:
-    """Writes the model's weights and statistics (`nnx.state`) to `directory` with orbax.
-
-    Returns the absolute path written.
+    """Writes the model's weights and statistics (`nnx.state`) to `directory` with orbax;
+    returns the absolute path written.
 
     >>> import os, tempfile
     >>> from flax import nnx
@@ -88,15 +81,13 @@ def save(model: nnx.Module, directory: str | os.PathLike) -> str:
 def load(stages: Sequence[nnx.Module], directory: str | os.PathLike) -> nnx.Sequential:
     """The model `save` wrote, given freshly built stages of the same architecture and split.
 
-    >>> import os, tempfile
-    >>> import jax.numpy as jnp
+    >>> import tempfile, jax.numpy as jnp
     >>> from flax import nnx
     >>> from dgrad import models
     >>> original = nnx.Sequential(*models.mlp([4, 8, 3], num_stages=2, rngs=0))
-    >>> path = save(original, os.path.join(tempfile.mkdtemp(), "model"))
+    >>> path = save(original, tempfile.mkdtemp() + "/model")
     >>> loaded = load(models.mlp([4, 8, 3], num_stages=2, rngs=1), path)  # other weights
-    >>> x = jnp.ones((2, 4))
-    >>> bool(jnp.array_equal(loaded(x), original(x)))
+    >>> bool(jnp.array_equal(loaded(jnp.ones((2, 4))), original(jnp.ones((2, 4)))))
     True
     """
     model = nnx.Sequential(*stages)

@@ -1,11 +1,10 @@
 """Stopping on SIGINT / SIGTERM at a moment that keeps the run resumable.
 
-`StopRequests` turns the signals into a flag. The training loop checks it
-between steps (and saves a checkpoint of the step it stopped after); building
-and compiling check it between phases. Nothing is cut off halfway: a save in
-progress finishes, so the newest checkpoint is always complete. A second
-signal while the first is being honoured stops at once, which is safe too:
-checkpoints are written to a temporary directory and renamed when complete.
+`StopRequests` turns the signals into a flag. The training loop checks it between
+steps and saves a checkpoint of the step it stopped after; building and compiling check
+it between phases. A save in progress finishes, so the newest checkpoint is always
+complete. A second signal stops at once, which is safe too: checkpoints are written
+to a temporary directory and renamed into place once whole.
 
 >>> import os, signal
 >>> with StopRequests() as stop:
@@ -45,15 +44,14 @@ class Stopped(Exception):
 
 class StopRequests:
     """A context in which SIGINT and SIGTERM ask the run to stop instead of killing it.
-
-    Outside the main thread (where Python cannot take signals) it only holds
-    the flag, which `request` sets.
+    Outside the main thread (where Python takes no signals) it only holds the flag.
 
     >>> stop = StopRequests()
     >>> with stop:  # the handlers are in place only inside
     ...     stop.check("building the model")  # nothing asked: returns None
-    >>> stop.requested is None
-    True
+    ...     stop.request(signal.SIGINT)  # as the signal would, from any thread
+    >>> stop.exit_status()
+    130
     """
 
     def __init__(self):
@@ -79,36 +77,14 @@ class StopRequests:
         self.request(number)
 
     def request(self, number: int = signal.SIGTERM) -> None:
-        """Asks for a stop as the signal `number` would (from any thread).
-
-        >>> stop = StopRequests()
-        >>> stop.request()
-        >>> stop.requested
-        <Signals.SIGTERM: 15>
-        """
+        """Asks for a stop as the signal `number` would (from any thread)."""
         self.requested = number
 
     def check(self, what: str) -> None:
-        """Raises `Stopped` (saying nothing was trained yet) if a stop was asked for.
-
-        >>> stop = StopRequests()
-        >>> stop.check("compiling")  # no stop asked for: returns None
-        >>> stop.request()
-        >>> stop.check("compiling")
-        Traceback (most recent call last):
-            ...
-        dgrad.train.signals.Stopped: Stopped while compiling, before training; nothing saved.
-        """
+        """Raises `Stopped` (saying nothing was trained yet) if a stop was asked for."""
         if self.requested is not None:
             raise Stopped(self.requested, f"Stopped while {what}, before training; nothing saved.")
 
     def exit_status(self) -> int:
-        """The process's exit status for the signal that stopped it: 128 + its number.
-
-        >>> import signal
-        >>> stop = StopRequests()
-        >>> stop.request(signal.SIGINT)
-        >>> stop.exit_status()
-        130
-        """
+        """The process's exit status for the signal that stopped it: 128 + its number."""
         return 128 + (self.requested or 0)

@@ -1,28 +1,21 @@
 """A run that stops making progress, or is asked to stop and cannot, ends by itself.
 
-The training loop `beat`s after every step (and every evaluation batch). A
-`Watchdog` thread watches the beats of its own process:
-- a stall: no beat for `stall_timeout` seconds. The process prints one line
-  naming itself, the step and what its main thread waits in, and exits with
-  `STALLED` (75): neither success nor a signal's status, and the newest complete
-  checkpoint stays as it was (checkpoints are renamed into place once whole).
-- a signal it cannot honour: SIGINT / SIGTERM are taken by `StopRequests`, whose
-  handler runs only once the main thread is back in Python. A main thread blocked
-  inside a device call never is, so the watchdog also hears the signals (through
-  `signal.set_wakeup_fd`). From the signal on, the process must keep beating until
-  it stops: a gap longer than the grace (`grace_s`, or twice the slowest step if
-  that is longer) prints one line and exits with 128 + the signal's number. So a
-  stop that waits for a peer which died or is stuck ends too. A checkpoint being
-  saved is progress: the grace runs from its end.
+The training loop `beat`s after every step and evaluation batch. A `Watchdog` thread
+watches its own process's beats and ends the process with one line saying where its
+main thread waits (the newest complete checkpoint stays as it was):
+- on a stall, no beat within the limit: status `STALLED` (75), neither success nor a
+  signal's. `stall_timeout` -1 (the default) follows the run: 10 times the slowest step,
+  at least `AUTO_FLOOR_S`, and `AUTO_FIRST_S` until the first (compiling) step is done;
+  0 turns stall detection off.
+- on a SIGINT / SIGTERM not honoured: `StopRequests`' handler runs only once the main
+  thread is back in Python, which one blocked in a device call never is, so the watchdog
+  hears the signals too (`signal.set_wakeup_fd`). After one, a gap between beats longer
+  than the grace (`grace_s`, or twice the slowest step) exits with 128 + its number, also
+  when a stop waits for a peer that died. A checkpoint's save is progress: the grace runs
+  from its end. A second signal exits at once.
 
-Before either exit the watchdog waits (up to `write_wait_s`) for a checkpoint being
-written in the background to be complete, if the loop told it how to ask (`watch_writes`):
-its write runs on threads of its own, so a stuck main thread does not hold it up, and the
-run then resumes from it rather than the one before. A second signal exits at once.
-
-With `stall_timeout` = -1 (the default) the limit follows the run: 10 times the
-slowest step so far, at least `AUTO_FLOOR_S`, and `AUTO_FIRST_S` until the first
-step (which compiles) has finished. 0 turns stall detection off.
+Before an exit it waits (up to `write_wait_s`) for a checkpoint being written in the
+background (`watch_writes`) on threads of its own, so that the run resumes from it.
 
 >>> import io
 >>> with Watchdog(stall_timeout=0, out=io.StringIO()) as watchdog:
@@ -57,17 +50,19 @@ class Watchdog:
       stall_timeout: seconds without a beat that count as a stall (-1: follow the run,
         0: never).
       grace_s: how long a signalled process may go without a beat before it exits.
-      write_wait_s: how long an exit waits for a checkpoint being written (`watch_writes`).
+      write_wait_s: how long an exit waits for a checkpoint being written.
       out: where the one line goes (default stderr).
       take_back: called before an exit; True when it removed what a start that had
         trained nothing wrote (`dgrad.train.workdir.take_back`), which the line then says.
 
     >>> import io
-    >>> out = io.StringIO()
-    >>> with Watchdog(stall_timeout=5, out=out) as watchdog:
-    ...     watchdog.beat(3)
-    ...     watchdog.limit_s(), watchdog.step
-    (5.0, 3)
+    >>> with Watchdog(stall_timeout=5, out=io.StringIO()) as watchdog:
+    ...     watchdog.watch_writes(lambda: False)  # asked before an exit: nothing being written
+    ...     watchdog.beat(3)  # step 3 done
+    ...     with watchdog.saving():  # a checkpoint's save
+    ...         pass
+    ...     watchdog.limit_s(), watchdog.grace_after_signal_s(), watchdog.step
+    (5.0, 5.0, 3)
     """
 
     def __init__(
@@ -98,14 +93,8 @@ class Watchdog:
     # ------------------------------------------------------- the loop's side
 
     def beat(self, step: int | None = None) -> None:
-        """Marks progress: a step (its number) or another unit of work (an evaluation batch)
-        completed. The slowest gap between beats after the first step sets the automatic limit.
-
-        >>> watchdog = Watchdog()
-        >>> watchdog.beat(7)
-        >>> watchdog.step
-        7
-        """
+        """Marks progress: a step (its number) or other work (an evaluation batch) completed;
+        the slowest gap between beats after the first step sets the automatic limit."""
         now = time.monotonic()
         if self.step is not None:
             self.slowest_s = max(self.slowest_s, now - self._last)
@@ -114,35 +103,15 @@ class Watchdog:
         self._last = now
 
     def saving(self) -> _Saving:
-        """A context for a checkpoint save: the grace after a signal runs from its end.
-
-        >>> watchdog = Watchdog()
-        >>> with watchdog.saving():
-        ...     watchdog._saving
-        True
-        """
+        """A context for a checkpoint save: the grace after a signal runs from its end."""
         return _Saving(self)
 
     def watch_writes(self, writing: Callable[[], bool]) -> None:
-        """Has an exit wait while `writing()` (a checkpoint's background write) says True.
-
-        >>> watchdog = Watchdog()
-        >>> watchdog.watch_writes(lambda: False)  # nothing being written: an exit does not wait
-        >>> watchdog._wait_for_write() < 0.05
-        True
-        """
+        """Has an exit wait while `writing()` (a checkpoint's background write) says True."""
         self._writing = writing
 
     def limit_s(self) -> float | None:
-        """The stall limit now, in seconds (None: no stall detection).
-
-        >>> watchdog = Watchdog()  # -1: follows the run
-        >>> watchdog.limit_s() == AUTO_FIRST_S  # nothing finished yet: the compiling step
-        True
-        >>> watchdog.beat(1); watchdog.slowest_s = 60.0
-        >>> watchdog.limit_s()  # ten times the slowest step
-        600.0
-        """
+        """The stall limit now, in seconds (None: no stall detection)."""
         if self.stall_timeout > 0:
             return self.stall_timeout
         if self.stall_timeout == 0:
@@ -152,15 +121,7 @@ class Watchdog:
         return max(AUTO_FLOOR_S, 10 * self.slowest_s)
 
     def grace_after_signal_s(self) -> float:
-        """The longest gap between beats a signalled process may take before it exits.
-
-        >>> watchdog = Watchdog(grace_s=5.0)
-        >>> watchdog.grace_after_signal_s()
-        5.0
-        >>> watchdog.slowest_s = 4.0  # slow steps get twice their length
-        >>> watchdog.grace_after_signal_s()
-        8.0
-        """
+        """The longest gap between beats a signalled process may take before it exits."""
         return max(self.grace_s, 2 * self.slowest_s)
 
     # ---------------------------------------------------------- the thread

@@ -1,20 +1,10 @@
-"""The fields of an experiment config: defaults, meanings and their rules, in one place.
+"""The fields of an experiment config: defaults, meanings and rules, in one place.
 
-`FIELDS` lists every field once, with its default, what it means and the rule its
-value keeps (the pipeline's own options take their meaning from
-`dgrad.options.Options`). `base()` builds the `ml_collections.ConfigDict` that the
-files in `experiments/configs/` start from, `check` refuses values that cannot work
-with one line naming the field and the fix, and `describe` is what
-`python -m experiments.train --help` prints.
-
->>> config = base()
->>> config.method, config.model.depth
-('fdg', 56)
->>> config.num_stages = 0
->>> check(config)
-Traceback (most recent call last):
-...
-ValueError: config.num_stages = 0 is not valid: use a positive integer.
+`FIELDS` lists every field once: its default, its meaning (the pipeline's options take
+theirs from `dgrad.options.Options`), whether a resumed run may change it, and the rule
+its value keeps. `base()` is the locked config the files in `experiments/configs/`
+start from (a misspelled field fails), `check` refuses a value that cannot work with
+one line naming the field and the fix, and `describe` is what `--help` lists.
 """
 
 from __future__ import annotations
@@ -83,11 +73,9 @@ class Field:
     run may change it (it changes how the run is watched or fed, not its numbers), and the
     `rule` its value must satisfy on its own (rules between fields are `check`'s).
 
-    >>> by_name = {field.name: field for field in FIELDS}
-    >>> by_name["log_every_steps"]  # a resumed run may log at another pace
-    Field(name='log_every_steps', default=50, help='steps between ...', kind=None, resumable=True)
-    >>> by_name["optimizer.nesterov"].default, by_name["optimizer.nesterov"].type
-    (None, <class 'bool'>)
+    >>> nesterov = next(field for field in FIELDS if field.name == "optimizer.nesterov")
+    >>> nesterov.default, nesterov.type, nesterov.resumable  # unset: the authors' choice
+    (None, <class 'bool'>, False)
     """
 
     name: str
@@ -370,10 +358,6 @@ def base() -> ml_collections.ConfigDict:
     >>> config = base()
     >>> config.model.name, config.num_stages, config.optimizer.learning_rate
     ('cifar_resnet', 2, 0.1)
-    >>> config.numstages = 4
-    Traceback (most recent call last):
-        ...
-    AttributeError: 'Key "numstages" does not exist and cannot be added since the config ...
     """
     config = ml_collections.ConfigDict()
     for field in FIELDS:
@@ -419,8 +403,6 @@ def unknown_field(name: str, prefix: str = "") -> str:
 
     >>> unknown_field("num_stage", "--config.")
     '--config.num_stage is not a config field; did you mean --config.num_stages?'
-    >>> unknown_field("xyz")
-    'xyz is not a config field; --help lists them'
     """
     near = nearest_field(name)
     hint = f"did you mean {prefix}{near}?" if near else "--help lists them"
@@ -432,8 +414,6 @@ def flatten(config: ml_collections.ConfigDict | dict) -> dict[str, Any]:
 
     >>> flatten({"a": 1, "b": {"c": 2, "d": {"e": 3}}})
     {'a': 1, 'b.c': 2, 'b.d.e': 3}
-    >>> flatten(base())["optimizer.learning_rate"]
-    0.1
     """
     out = {}
     for key, value in config.items() if hasattr(config, "items") else config:
@@ -449,15 +429,15 @@ def _fail(field: str, value, expected: str):
 
 
 def check(config: ml_collections.ConfigDict) -> None:
-    """Raises ValueError naming the field and the fix for any value that cannot work.
+    """Raises ValueError naming the field and the fix for any value that cannot work, on
+    its own (its `Field.rule`) or beside the others.
 
-    >>> check(base())  # the defaults work: returns None
     >>> config = base()
-    >>> config.method, config.beta = "ddg", 0.5
+    >>> config.num_stages = 0
     >>> check(config)
     Traceback (most recent call last):
-        ...
-    ValueError: config: beta=0.5 asks for gradient shrinking, which only FDG has; ...
+    ...
+    ValueError: config.num_stages = 0 is not valid: use a positive integer.
     """
     values = flatten(config)
     for name in values:

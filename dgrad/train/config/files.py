@@ -1,8 +1,7 @@
 """Experiment config files: `experiments/configs/*.py`, each defining `get_config(variant)`.
 
->>> config, name = load("experiments/configs/default.py")
->>> name, config.dataset
-('default', 'digits')
+A mistake in a file (a misspelled field, a wrong type, a syntax error, an exception) is
+one ValueError line naming the file and its line; a missing file is FileNotFoundError.
 """
 
 from __future__ import annotations
@@ -54,15 +53,7 @@ def load(spec: str) -> tuple[ml_collections.ConfigDict, str]:
 
 def _mistake_in(path: str, error: Exception, spec: str | None = None) -> str:
     """`error`, raised while running the config file at `path` (given as `spec`), as one
-    line naming its line.
-
-    >>> from dgrad.train.config import base
-    >>> try:
-    ...     base().num_stage = 4
-    ... except AttributeError as error:
-    ...     print(_mistake_in("config.py", error))
-    config.py: num_stage is not a config field; did you mean num_stages?
-    """
+    line naming its line (a misspelled field as `unknown_field` says it)."""
     full = os.path.abspath(path)
     frames = traceback.extract_tb(error.__traceback__)
     lines = [f.lineno for f in frames if os.path.abspath(f.filename) == full]

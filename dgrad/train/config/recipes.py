@@ -1,9 +1,8 @@
 """The papers' recipes: their CIFAR settings, the choices they leave to the method
-(decay epochs, Nesterov, warm-up), and the CPU-sized variant of a config.
+(decay epochs, Nesterov, warm-up), and the CPU-sized `smoke` variant of a config.
 
->>> config = paper("cifar10", "cifar_resnet", 56, num_stages=4)
->>> config.split, resolved_optimizer(config, "fdg")["boundaries"]
-('authors', (150, 225, 275))
+The optimizer fields left unset in a config are filled at build time, per method, by
+`resolved_optimizer`; a field the config sets stays as set.
 """
 
 from __future__ import annotations
@@ -35,8 +34,6 @@ def paper(
     >>> config = paper("cifar10", "cifar_resnet", 56, num_stages=4, beta=0.5)
     >>> config.num_stages, config.beta, config.split, config.batch_size, config.num_epochs
     (4, 0.5, 'authors', 128, 300)
-    >>> paper("cifar10", "cifar_resnet", 56, variant="smoke").model.depth
-    20
     """
     config = base()
     config.dataset = dataset
@@ -62,14 +59,9 @@ def resolved_optimizer(config: ml_collections.ConfigDict, method: str) -> dict[s
     decay epochs (`authors_boundaries`), Nesterov momentum (DDG's code used it), and the
     ADL code's 5-epoch warm-up when gradients accumulate.
 
-    >>> from dgrad.train import config as fields
-    >>> config = fields.base()
-    >>> resolved_optimizer(config, "fdg")
-    {'boundaries': (150, 225, 275), 'clip_norm': 0.0, 'decay': 0.1, 'learning_rate': 0.1, ...}
-    >>> config.optimizer.nesterov, config.accumulate = False, 2  # a set field stays as set
-    >>> spec = resolved_optimizer(config, "ddg")
-    >>> spec["nesterov"], spec["warmup_epochs"], spec["boundaries"]
-    (False, 5, (150, 225))
+    >>> spec = resolved_optimizer(base(), "ddg")
+    >>> spec["boundaries"], spec["nesterov"], spec["warmup_epochs"], spec["learning_rate"]
+    ((150, 225), True, 0, 0.1)
     """
     spec = config.optimizer.to_dict()
     if spec["boundaries"] is None:
@@ -86,10 +78,6 @@ def with_variant(config: ml_collections.ConfigDict, variant: str) -> ml_collecti
 
     >>> with_variant(base(), "").num_epochs, with_variant(base(), "smoke").num_epochs
     (300, 2)
-    >>> with_variant(base(), "tiny")
-    Traceback (most recent call last):
-        ...
-    ValueError: unknown config variant 'tiny'; the only variant is smoke
     """
     if variant == "smoke":
         return smoke(config)
