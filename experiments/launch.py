@@ -13,7 +13,7 @@ one fails, the others are stopped; SIGINT/SIGTERM reach them all.
 import sys
 
 from dgrad.train.cli import OneLineParser
-from dgrad.train.distributed import launch_local
+from dgrad.train.supervisor import launch_local
 
 
 def main(argv=None) -> int:

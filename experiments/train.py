@@ -18,7 +18,7 @@ from dgrad.train.signals import StopRequests  # first: a signal during start-up 
 
 if __name__ == "__main__":
     with StopRequests() as stop:
-        from dgrad.train.distributed import stop_with_parent
+        from dgrad.train.supervisor import stop_with_parent
 
         stop_with_parent()  # started by a launcher or a sweep: stop when it dies
         from dgrad.train.cli import main

@@ -24,7 +24,7 @@ from processes import kill_tree, run_command
 
 from dgrad.train import metrics
 from dgrad.train.checkpoint import Checkpointer
-from dgrad.train.distributed import launch_local
+from dgrad.train.supervisor import launch_local
 
 pytestmark = pytest.mark.processes
 

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from dgrad.train import config as fields
-from dgrad.train.distributed import StopVote, initialize, launch_local, lost_a_peer
+from dgrad.train.distributed import StopVote, initialize, lost_a_peer
 from dgrad.train.signals import Stopped, StopRequests
+from dgrad.train.supervisor import launch_local
 from dgrad.train.watchdog import AUTO_FIRST_S, AUTO_FLOOR_S, Watchdog
 from dgrad.train.workdir import (
     CONFIG_FILE,

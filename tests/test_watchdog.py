@@ -20,7 +20,7 @@ import pytest
 from helpers import ROOT
 from processes import descendants, kill_tree, outliving, run_command
 
-from dgrad.train.distributed import launch_local
+from dgrad.train.supervisor import launch_local
 from dgrad.train.watchdog import STALLED, TEST_STALL_ENV
 
 TRAIN = [sys.executable, "-m", "experiments.train"]

@@ -29,7 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
-from dgrad.train.distributed import child_options, free_port
+from dgrad.train.distributed import free_port
+from dgrad.train.supervisor import Supervisor
 
 WORKER = [sys.executable, "-m", "experiments.benchmark", "--serve"]
 
@@ -131,7 +132,8 @@ class Group:
         self.pins = list(pins) if pins is not None else [None] * processes
         self.timeout_s = timeout_s
         coordinator = f"127.0.0.1:{free_port()}"
-        self.children = []
+        self._supervisor = Supervisor(grace=5.0)  # (not entered: Ctrl-C stops the benchmark)
+        self.children = self._supervisor.children
         for index in range(processes):
             argv = [*WORKER, *spec_flags(spec, self.pins[index]), f"--cpu_devices={devices}"]
             if processes > 1:
@@ -140,15 +142,12 @@ class Group:
                     f"--num_processes={processes}",
                     f"--process_id={index}",
                 ]
-            self.children.append(
-                subprocess.Popen(
-                    argv,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                    **child_options(PYTHONUNBUFFERED="1"),
-                )
+            self._supervisor.start(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
             )
         self._answers("ready")
 
@@ -188,13 +187,8 @@ class Group:
                 child.stdin.close()
             except OSError:
                 pass
-        deadline = time.monotonic() + 30
-        for child in self.children:
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+        self._supervisor.wait(timeout=30)
+        self._supervisor.stop()
 
 
 def serve(spec: dict, *, stdin=None, stdout=None) -> None:

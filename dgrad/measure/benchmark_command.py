@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from dgrad.measure.benchmark_across import Group
-from dgrad.train.distributed import child_options, launch_local
+from dgrad.train.supervisor import Supervisor, launch_local
 
 TRAIN = [sys.executable, "-m", "experiments.train"]
 
@@ -151,24 +151,14 @@ def run_command(
     >>> [(record["epoch"], record["train_seconds"] > 0) for record in epochs]
     [(1, True), (2, True)]
     """
-    argv = [*TRAIN, *flags, f"--workdir={workdir}"]
+    argv, log = [*TRAIN, *flags, f"--workdir={workdir}"], io.StringIO()
     if layout.processes == 1:
-        try:
-            run = subprocess.run(
-                [*argv, f"--cpu_devices={layout.devices}"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                text=True,
-                timeout=timeout_s,
-                **child_options(PYTHONUNBUFFERED="1"),
+        with Supervisor(log) as children:
+            child = children.start(
+                [*argv, f"--cpu_devices={layout.devices}"], prefix="", stdin=subprocess.DEVNULL
             )
-            status, output = run.returncode, run.stdout
-        except subprocess.TimeoutExpired as timed_out:  # (run has killed it)
-            status, output = 124, timed_out.stdout or b""
-            output = output.decode(errors="replace") if isinstance(output, bytes) else output
+            status = child.returncode if children.wait(timeout_s) else 124
     else:
-        log = io.StringIO()
         status = launch_local(
             argv,
             layout.processes,
@@ -177,7 +167,7 @@ def run_command(
             pins=layout.pins,
             out=log,
         )
-        output = log.getvalue()
+    output = log.getvalue()
     if status != 0:
         raise RuntimeError(
             f"the training command ({layout.name}) failed (status {status}; 124: it ran past "

@@ -3,7 +3,7 @@
 A path that crosses processes is trusted only after many runs: an intermittent
 freeze hides in one. `LAYOUTS` lists the multi-process layouts of stages and
 replicas; `stress` starts each (with each method) `runs` times through
-`dgrad.train.distributed.launch_local`, with a deadline per run, and `table` prints
+`dgrad.train.supervisor.launch_local`, with a deadline per run, and `table` prints
 how many finished, froze (ran past the deadline, or stopped itself as stalled)
 or failed otherwise.
 
@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from dgrad.train.distributed import launch_local
+from dgrad.train.supervisor import launch_local
 from dgrad.train.watchdog import STALLED
 
 TIMED_OUT = 124  # launch_local's status for a run past its deadline

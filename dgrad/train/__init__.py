@@ -4,7 +4,8 @@ The modules: `experiment` (what `python -m experiments.train` runs: one
 experiment's runs, start to end), `config` (the fields and their rules, overrides,
 config files, the papers' recipes), `build` (config to pipeline), `loop` (one run's steps),
 `evaluate`, `workdir`, `checkpoint`, `export`, `metrics`, `progress`,
-`signals`, `watchdog`, `sweep` and `cli` (the command line).
+`signals`, `watchdog`, `distributed` (joining processes), `supervisor` (starting
+them), `sweep` and `cli` (the command line).
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
-"""Several processes under `jax.distributed`: starting them, and joining them.
+"""Several processes under `jax.distributed`: joining them, and agreeing between them.
 
 `initialize` joins this process to a multi-process run: explicitly (coordinator address,
 number of processes, this process's index) or, with `auto=True`, from what
 `jax.distributed.initialize()` reads of SLURM, Open MPI or Kubernetes; on CPUs with
-`cpu_devices` fake devices and gloo collectives. `launch_local` starts N such processes on
-this machine, prefixes their output with the process index, forwards SIGINT / SIGTERM to
-them, and when one fails stops the others and says which, so that nothing hangs. The
-processes of a run agree through the coordinator's key-value store (`StopVote`,
-`told_by_process_0`), making the same calls in the same order.
+`cpu_devices` fake devices and gloo collectives (`dgrad.train.supervisor.launch_local`
+starts N such processes on this machine). The processes of a run agree through the
+coordinator's key-value store (`StopVote`, `told_by_process_0`), making the same calls in
+the same order.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ import itertools
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
 
 
 def free_port() -> int:
@@ -114,41 +111,6 @@ def _transfer_address(coordinator: str | None) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return f"{host}:{probe.getsockname()[1]}"
-
-
-PARENT_ENV = "DGRAD_STOP_WITH_PARENT"
-
-
-def child_options(**env: str) -> dict:
-    """`subprocess.Popen` options for the runs a starter (a launcher, a sweep) starts: a
-    session of their own, so that a Ctrl-C reaches them once (forwarded by the starter),
-    and the starter's process id, which `stop_with_parent` follows. No Python runs in the
-    child before exec (JAX's threads make that unsafe).
-
-    >>> options = child_options(PYTHONUNBUFFERED="1")
-    >>> options["start_new_session"], options["env"][PARENT_ENV] == str(os.getpid())
-    (True, True)
-    """
-    return {"start_new_session": True, "env": {**os.environ, **env, PARENT_ENV: str(os.getpid())}}
-
-
-def stop_with_parent(every_s: float = 0.5) -> None:
-    """In a run started with `child_options`: sends this process one SIGTERM (a stop with
-    a checkpoint) once the starter is gone, checked every `every_s` seconds from a daemon
-    thread (Linux's PDEATHSIG would send one per dying thread, and a second stops at once).
-
-    >>> stop_with_parent()  # this process was not started so: nothing to follow
-    """
-    parent = os.environ.get(PARENT_ENV)
-    if not parent:
-        return
-
-    def watch():
-        while os.getppid() == int(parent):
-            time.sleep(every_s)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="dgrad-stop-with-parent", daemon=True).start()
 
 
 LEAVE_S = 5.0
@@ -253,123 +215,3 @@ def told_by_process_0(name: str, message: str | None, timeout_s: float = 3600.0)
         return message
     said = client.blocking_key_value_get(key, int(timeout_s * 1000))
     return said[1:] if said else None
-
-
-def _relay(stream, prefix: str, out) -> None:
-    for line in iter(stream.readline, ""):
-        out.write(prefix + line)
-        out.flush()
-
-
-def launch_local(
-    command: Sequence[str],
-    processes: int,
-    *,
-    cpu_devices: int | None = None,
-    timeout: float | None = None,
-    pins: Sequence[int] | None = None,
-    out=None,
-) -> int:
-    """Runs `command` (argv of a program taking `--coordinator`, `--num_processes`,
-    `--process_id` and `--cpu_devices`) as `processes` local processes, process i pinned
-    to core `pins[i]` if `pins` is given. Returns 0 if all succeeded; else the first
-    failure's exit status (124 after `timeout` seconds), once the rest are stopped.
-
-    >>> import io
-    >>> show = [sys.executable, "-c", "import sys; print(sys.argv[3])"]  # prints its --process_id
-    >>> out = io.StringIO()
-    >>> launch_local(show, processes=2, out=out), sorted(out.getvalue().splitlines())
-    (0, ['[0] --process_id=0', '[1] --process_id=1'])
-    """
-    out = out or sys.stdout
-    coordinator = f"127.0.0.1:{free_port()}"
-    children, relays = [], []
-    for index in range(processes):
-        argv = [
-            *command,
-            f"--coordinator={coordinator}",
-            f"--num_processes={processes}",
-            f"--process_id={index}",
-        ]
-        if cpu_devices:
-            argv.append(f"--cpu_devices={cpu_devices}")
-        if pins is not None:
-            argv = pinned(argv, pins[index])
-        child = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            **child_options(PYTHONUNBUFFERED="1"),
-        )
-        children.append(child)
-        relay = threading.Thread(target=_relay, args=(child.stdout, f"[{index}] ", out))
-        relay.start()
-        relays.append(relay)
-
-    forwarded = []
-
-    def forward(number, frame):
-        forwarded.append(number)
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(number)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {n: signal.signal(n, forward) for n in (signal.SIGINT, signal.SIGTERM)}
-    deadline = None if timeout is None else time.monotonic() + timeout
-    status = 0
-    try:
-        while any(child.poll() is None for child in children):
-            failed = [c for c in children if c.poll() not in (None, 0)]
-            if failed and not forwarded:  # (when stopping, each process saves, then exits)
-                status = failed[0].returncode
-                out.write(
-                    f"process {children.index(failed[0])} exited with status {status}; "
-                    "stopping the others\n"
-                )
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                status = 124
-                out.write(f"the processes ran past {timeout:g} s; stopping them\n")
-                break
-            time.sleep(0.1)
-        else:
-            codes = [child.returncode for child in children]
-            status = next((code for code in codes if code), 0)
-    finally:
-        _stop(children)
-        for relay in relays:
-            relay.join(timeout=10)
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-    return status
-
-
-def pinned(argv: Sequence[str], core: int) -> list[str]:
-    """`argv` run pinned to `core`: a fresh Python pins itself, then becomes `argv`, so
-    no Python runs between the fork and the pinning.
-
-    >>> cores = [sys.executable, "-c", "import os; print(os.sched_getaffinity(0))"]
-    >>> subprocess.run(pinned(cores, 0), capture_output=True, text=True).stdout
-    '{0}\\n'
-    """
-    pin = (
-        f"import os, sys; os.sched_setaffinity(0, {{{core}}}); os.execv(sys.argv[1], sys.argv[1:])"
-    )
-    return [sys.executable, "-c", pin, *argv]
-
-
-def _stop(children, grace: float = 10.0) -> None:
-    """Terminates the children still running, then kills what is left after `grace` s."""
-    for child in children:
-        if child.poll() is None:
-            child.terminate()
-    deadline = time.monotonic() + grace
-    for child in children:
-        try:
-            child.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()

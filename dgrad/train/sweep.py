@@ -27,7 +27,6 @@ import itertools
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -39,7 +38,7 @@ import numpy as np
 from dgrad.train import config as fields
 from dgrad.train import metrics
 from dgrad.train.config import files as config_files
-from dgrad.train.distributed import child_options
+from dgrad.train.supervisor import Supervisor
 
 SWEEP_FILE = "sweep.json"
 
@@ -268,40 +267,23 @@ class Sweep:
         >>> sorted(line.split(" (")[0] for line in lines)
         ['failed   method=ddg', 'finished method=fdg', 'started  method=ddg', 'started  method=fdg']
         """
-        pending = list(self.runs)
-        running: list[tuple[Combination, subprocess.Popen, Any]] = []
-        failed, stopped, forwarded = 0, [], 0
-        previous = {
-            n: signal.signal(n, lambda n, f: stopped.append(n))
-            for n in (signal.SIGINT, signal.SIGTERM)
-        }
+        pending, running, failed = list(self.runs), {}, 0
         os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
-        try:
+        with Supervisor() as children:
             while pending or running:
-                while pending and len(running) < parallel and not stopped:
-                    run = pending.pop(0)
-                    out = open(os.path.join(self.workdir, "logs", f"{run.name}.log"), "a")
-                    child = subprocess.Popen(
-                        self.command(run),
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        cwd=cwd,
-                        **child_options(),
-                    )
-                    running.append((run, child, out))
-                    log(f"started  {run.describe()}")
-                while forwarded < len(stopped):  # each signal once (twice: stop at once)
-                    for _, child, _ in running:
-                        if child.poll() is None:
-                            child.send_signal(stopped[forwarded])
-                    forwarded += 1
+                children.poll()  # (forwards a stop to the runs)
+                if children.stopped:
                     pending.clear()
-                for entry in list(running):
-                    run, child, out = entry
-                    if child.poll() is None:
-                        continue
-                    out.close()
-                    running.remove(entry)
+                while pending and len(running) < parallel:
+                    run = pending.pop(0)
+                    with open(os.path.join(self.workdir, "logs", f"{run.name}.log"), "a") as out:
+                        child = children.start(
+                            self.command(run), stdout=out, stderr=subprocess.STDOUT, cwd=cwd
+                        )
+                    running[child] = run
+                    log(f"started  {run.describe()}")
+                for child in [child for child in running if child.poll() is not None]:
+                    run = running.pop(child)
                     if child.returncode == 0:
                         log(f"finished {run.describe()}")
                     else:
@@ -311,11 +293,8 @@ class Sweep:
                             f"{self.workdir}/logs/{run.name}.log)"
                         )
                 time.sleep(0.2)
-        finally:
-            for number, handler in previous.items():
-                signal.signal(number, handler)
-        if stopped:
-            raise KeyboardInterrupt(stopped[0])
+        if children.stopped:
+            raise KeyboardInterrupt(children.stopped[0])
         return failed
 
     def results(self) -> list[dict[str, Any]]:
