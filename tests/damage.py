@@ -44,3 +44,9 @@ def snapshot(directory) -> dict[str, tuple[int, int]]:
         for path in sorted(directory.rglob("*"))
         if path.is_file()
     }
+
+
+def unfinish(workdir) -> None:
+    """The workdir's state as a command killed before the end of its experiment leaves it."""
+    path = workdir / "workdir.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "finished_epochs": None}))

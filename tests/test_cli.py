@@ -58,7 +58,7 @@ def test_default_smoke_run_learns_digits_and_writes_its_workdir(tmp_path):
     assert set(accuracies) == {"FDG K=2", "BP (fused)"}
     assert all(a > 0.8 for a in accuracies.values()), accuracies  # chance is 0.1
     assert (workdir / "curves.png").exists()
-    assert json.loads((workdir / "config.json").read_text())["method"] == "fdg"
+    assert json.loads((workdir / "workdir.json").read_text())["config"]["method"] == "fdg"
     for run in ("fdg_k2", "bp_fused"):
         epochs = metrics.read(workdir / run / "metrics.jsonl", "epoch")
         assert [r["epoch"] for r in epochs] == [1, 2, 3]
@@ -243,7 +243,7 @@ def test_ctrl_c_at_any_moment_stops_cleanly(tmp_path, moment):
     args = [SMOKE, "--config.model.name=mlp", "--config.baseline=", "--config.log_every_steps=5"]
     seen = {
         "starting": lambda: True,
-        "compiling": lambda: (workdir / "config.json").exists(),
+        "compiling": lambda: (workdir / "workdir.json").exists(),
         "training": lambda: bool(metrics.read(workdir / "fdg_k2" / "metrics.jsonl", "train")),
     }[moment]
     process = _train_until(workdir, seen, args)
@@ -273,22 +273,23 @@ def test_ctrl_c_at_any_moment_stops_cleanly(tmp_path, moment):
 
 @pytest.mark.slow
 def test_a_workdir_of_another_experiment_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"method": "ddg"}))
+    state = {"config": {"method": "ddg"}, "corpus": None, "finished_epochs": None}
+    (tmp_path / "workdir.json").write_text(json.dumps(state))
     status, output = cli(SMOKE, f"--workdir={tmp_path}", timeout=120)
     assert status == 2 and "holds another experiment" in output and "Traceback" not in output
-    assert json.loads((tmp_path / "config.json").read_text()) == {"method": "ddg"}
+    assert json.loads((tmp_path / "workdir.json").read_text()) == state
 
 
 @pytest.mark.slow
 def test_a_run_whose_checkpoints_all_fail_to_restore_is_one_line_and_status_2(tmp_path):
     """Damaged checkpoints: each resume is one line, a resume with none left status 2."""
-    from damage import damage, snapshot
+    from damage import damage, snapshot, unfinish
 
     small = ["--config.model.name=mlp", "--config.baseline=", "--config.num_epochs=1"]
     small += ["--config.steps_per_epoch=6", "--config.checkpoint_every_steps=4"]
     status, output = cli(SMOKE, *small, f"--workdir={tmp_path}", timeout=300)
     assert status == 0, output
-    (tmp_path / "curves.png").unlink()  # as if killed before the plot: it resumes
+    unfinish(tmp_path)  # as if killed before its end: it resumes
     checkpoints = tmp_path / "fdg_k2" / "checkpoints"
     damage(checkpoints / "6", "truncated data")
     damage(checkpoints / "4", "deleted data")

@@ -4,7 +4,7 @@ the same older checkpoint, as one process does (tests/test_train.py)."""
 import sys
 
 import pytest
-from damage import damage
+from damage import damage, unfinish
 from helpers import ROOT
 from processes import run_command
 
@@ -31,7 +31,7 @@ def test_both_processes_resume_from_the_same_older_checkpoint(tmp_path, how):
     workdir = tmp_path / "run"
     run_command(LAUNCH + TINY + [f"--workdir={workdir}"], 300, cwd=ROOT)
     expected = train_records(workdir)
-    (workdir / "curves.png").unlink()  # as if killed before the plot: the run resumes
+    unfinish(workdir)  # as if killed before its end: the run resumes
     checkpoints = workdir / "fdg_k2" / "checkpoints"
     damage(checkpoints / "6", how)
     _, output = run_command(LAUNCH + TINY + [f"--workdir={workdir}"], 300, cwd=ROOT)

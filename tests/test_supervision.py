@@ -15,14 +15,7 @@ from dgrad.train.distributed import StopVote, initialize, lost_a_peer
 from dgrad.train.signals import Stopped, StopRequests
 from dgrad.train.supervisor import launch_local
 from dgrad.train.watchdog import AUTO_FIRST_S, AUTO_FLOOR_S, Watchdog
-from dgrad.train.workdir import (
-    CONFIG_FILE,
-    WorkdirError,
-    check_not_held,
-    create,
-    hold,
-    inspect,
-)
+from dgrad.train.workdir import STATE_FILE, WorkdirError, create, finish, hold, inspect
 
 
 def test_a_stop_request_is_a_sigterm_unless_named_and_exits_with_128_plus_its_number():
@@ -158,18 +151,20 @@ def test_launched_processes_run_on_the_cores_they_are_pinned_to():
 
 
 def test_a_workdir_s_lock_is_free_again_after_the_with_block(tmp_path):
-    check_not_held(tmp_path)  # no lock file yet: free
     with hold(tmp_path):
         pass
-    check_not_held(tmp_path)  # the lock file stays, free
-    with hold(tmp_path):
+    with hold(tmp_path):  # the lock file stays, free
         with pytest.raises(WorkdirError, match="another command is training in"):
-            check_not_held(tmp_path)
+            with hold(tmp_path):
+                pass
 
 
 def test_a_directory_of_other_files_is_no_workdir(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(WorkdirError, match="holds files but no config.json, so it is not a dgrad"):
+    with pytest.raises(WorkdirError, match="holds files but no workdir.json, so it is not a dgrad"):
+        inspect(tmp_path, fields.base())
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(WorkdirError, match="was started by an older dgrad .*; train it with the"):
         inspect(tmp_path, fields.base())
 
 
@@ -190,11 +185,17 @@ def test_extending_needs_a_trained_experiment_and_more_epochs(tmp_path):
     assert inspect(tmp_path, config, extend=True).extends_from == trained
 
 
-def test_the_config_json_holds_the_config_and_the_corpus_beside_it(tmp_path):
+def test_the_workdir_json_holds_the_config_the_corpus_and_the_epochs_finished(tmp_path):
     config, corpus = fields.base(), {"python": "3.11.9", "sha256": "1f0e"}
     create(inspect(tmp_path, config), config, corpus)
-    assert json.loads((tmp_path / CONFIG_FILE).read_text())["corpus"] == corpus
+    state = json.loads((tmp_path / STATE_FILE).read_text())
+    assert state == {"config": state["config"], "corpus": corpus, "finished_epochs": None}
     plan = inspect(tmp_path, config)
-    assert plan.resumes and plan.corpus == corpus and "corpus" not in plan.saved
+    assert plan.resumes and plan.corpus == corpus and plan.finished is None
     assert plan.saved["num_stages"] == config.num_stages
-    assert sorted(os.listdir(tmp_path)) == [CONFIG_FILE]  # no temporary file left
+    finish(plan, config)
+    assert inspect(tmp_path, config).finished == config.num_epochs
+    config.num_epochs += 1  # an extension keeps the epochs finished until it finishes
+    create(inspect(tmp_path, config, extend=True), config, corpus)
+    assert inspect(tmp_path, config).finished == config.num_epochs - 1
+    assert sorted(os.listdir(tmp_path)) == [STATE_FILE]  # no temporary file left

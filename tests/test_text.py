@@ -58,7 +58,7 @@ def test_the_language_model_config_trains_fdg_beside_bp_in_tokens(tmp_path):
         assert record["test_bits_per_byte"] == pytest.approx(record["test_loss"] / np.log(2))
         assert record["tokens_per_second"] > 0 and record["corpus_files"] > 100
         assert record["test_loss"] < np.log(256)  # better than guessing among 256 bytes
-    corpus = json.loads((tmp_path / "config.json").read_text())["corpus"]
+    corpus = json.loads((tmp_path / "workdir.json").read_text())["corpus"]
     assert corpus == {k[len("corpus_") :]: v for k, v in record.items() if k.startswith("corpus_")}
 
 

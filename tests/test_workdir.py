@@ -81,7 +81,7 @@ def test_a_workdir_another_command_started_meanwhile_is_decided_again(tmp_path, 
     monkeypatch.setattr(workdir, "hold", hold_after_another)
     with pytest.raises(SetupError, match="holds another experiment .*seed 7 -> 0"):
         train(small_config(), tmp_path / "run", log=quiet)
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["seed"] == 7
+    assert json.loads((tmp_path / "run" / "workdir.json").read_text())["config"]["seed"] == 7
 
 
 def test_a_stop_before_training_leaves_nothing_behind(tmp_path):
@@ -124,36 +124,37 @@ def test_a_workdir_of_another_experiment_is_refused_before_anything_is_written(t
     train(small_config(num_epochs=1, log_every_steps=4, placement="one_per_device"), tmp_path)
 
 
-@pytest.mark.parametrize("held", ['{"method": "fdg", ', "", "[1, 2]", '"fdg"', b"\xff\xfe"])
-def test_a_damaged_config_json_is_one_line_and_left_as_it_is(tmp_path, held):
-    path = tmp_path / workdir.CONFIG_FILE
+@pytest.mark.parametrize(
+    "held",
+    [
+        '{"config": {}, ',
+        "",
+        "[1, 2]",
+        '{"config": {}}',
+        '{"config": 1, "corpus": null, "finished_epochs": null}',
+        b"\xff\xfe",
+    ],
+)
+def test_a_damaged_workdir_json_is_one_line_and_left_as_it_is(tmp_path, held):
+    path = tmp_path / workdir.STATE_FILE
     path.write_bytes(held if isinstance(held, bytes) else held.encode())
-    with pytest.raises(SetupError, match=r"config.json is damaged \(.*\), so what this workdir"):
+    with pytest.raises(SetupError, match=r"workdir.json is damaged \(.*\), so what this workdir"):
         train(small_config(num_epochs=1), tmp_path, log=quiet)
-    assert sorted(os.listdir(tmp_path)) == [workdir.CONFIG_FILE]
+    assert sorted(os.listdir(tmp_path)) == [workdir.STATE_FILE]
     assert path.read_bytes() == (held if isinstance(held, bytes) else held.encode())
 
 
 def test_a_workdir_trained_on_another_corpus_is_refused(tmp_path):
     """The offline corpus is this interpreter's standard library: the same config read on
-    another Python is another corpus, which `config.json` records and a resume checks."""
+    another Python is another corpus, which `workdir.json` records and a resume checks."""
     config, _ = load_config(str(ROOT / "experiments/configs/lm_stdlib.py:smoke"))
     elsewhere = {**build.load_dataset(config).fingerprint, "python": "3.0.1", "sha256": "0ff1ce"}
     workdir.create(workdir.inspect(tmp_path, config), config, elsewhere)
-    before = (tmp_path / "config.json").read_text()
+    before = (tmp_path / "workdir.json").read_text()
     with pytest.raises(SetupError, match=r"another corpus \(python 3.0.1 -> 3.*, sha256 0ff1ce"):
         train(config, tmp_path, log=quiet)
-    assert (tmp_path / "config.json").read_text() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
-    # A workdir from before config.json kept it: the fingerprint its epoch records hold.
-    older = tmp_path / "older"
-    workdir.create(workdir.inspect(older, config), config)
-    (older / "fdg_k2").mkdir()
-    with metrics.MetricWriter(older / "fdg_k2" / "metrics.jsonl") as writer:
-        corpus = {f"corpus_{k}": v for k, v in elsewhere.items()}
-        writer.write({"kind": "epoch", "step": 8, "epoch": 1, **corpus})
-    with pytest.raises(SetupError, match=r"another corpus \(python 3.0.1 -> 3"):
-        train(config, older, log=quiet)
+    assert (tmp_path / "workdir.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "workdir.json"]
 
 
 @pytest.mark.slow
@@ -169,7 +170,9 @@ def test_extending_a_finished_run_says_what_it_does_to_the_schedule(tmp_path):
         1,
         2,
     ]
-    assert json.loads((tmp_path / "short" / "config.json").read_text())["num_epochs"] == 2
+    assert (
+        json.loads((tmp_path / "short" / "workdir.json").read_text())["config"]["num_epochs"] == 2
+    )
     with pytest.raises(SetupError, match="above the 2"):
         train(small_config(num_epochs=1), tmp_path / "short", extend=True, log=quiet)
 
@@ -213,19 +216,20 @@ def test_an_extension_that_was_stopped_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_an_extension_that_trains_nothing_leaves_the_experiment_as_it_was(tmp_path):
-    """An extension whose resume fails (every checkpoint damaged) puts config.json back, so
+    """An extension whose resume fails (every checkpoint damaged) puts workdir.json back, so
     that the experiment is still the finished one of its epochs; one killed before it
     saved anything is not taken for finished either."""
     train(small_config(num_epochs=1), tmp_path, log=quiet)
-    saved = (tmp_path / "config.json").read_text()
+    saved = (tmp_path / "workdir.json").read_text()
     for checkpoint in (tmp_path / "fdg_k2" / "checkpoints").iterdir():
         damage(checkpoint, "truncated data")
     with pytest.raises(SetupError, match="No checkpoint in .* restores"):
         train(small_config(num_epochs=2), tmp_path, extend=True, log=quiet)
-    assert (tmp_path / "config.json").read_text() == saved
+    assert (tmp_path / "workdir.json").read_text() == saved
 
-    written = json.loads(saved)  # as if killed after writing the extension's config.json
-    (tmp_path / "config.json").write_text(json.dumps({**written, "num_epochs": 2}))
+    written = json.loads(saved)  # as if killed after writing the extension's workdir.json
+    written["config"]["num_epochs"] = 2
+    (tmp_path / "workdir.json").write_text(json.dumps(written))
     lines = []
     with pytest.raises(SetupError, match="No checkpoint in .* restores"):
         train(small_config(num_epochs=2), tmp_path, log=lines.append)

@@ -11,7 +11,8 @@ fused-backprop baseline) it writes into `workdir/<run>/`:
   epoch end (and every `checkpoint_every_steps`), see `dgrad.train.checkpoint`;
 - `model/`: the stages merged into one model at the end, see `dgrad.train.export`;
 
-plus `workdir/config.json` and the curves of all runs in `workdir/curves.png`.
+plus `workdir/workdir.json` (its config and state) and the curves of all runs in
+`workdir/curves.png`.
 Calling `train` again on the same workdir resumes every unfinished run from its
 newest checkpoint, bit for bit; a workdir holding another experiment is
 refused before anything is written (`dgrad.train.workdir`).
@@ -139,37 +140,34 @@ def train(
 
     from dgrad.train import build, loop  # the model's libraries: not needed to see it finished
 
-    if jax.process_count() == 1:  # (several processes hear process 0's refusal in `_claim`)
-        try:
-            workdir.check_not_held(plan.path)
-        except ValueError as error:
-            raise SetupError(str(error)) from error
-
     with contextlib.ExitStack() as context:
         stop = stop or context.enter_context(StopRequests())
-        dataset = build.load_dataset(config)
-        stop.check("loading the data")
-        try:
-            workdir.check_corpus(plan, dataset.fingerprint)
-            steps_per_epoch = build.steps_per_epoch(config, dataset, cut=plan.resumes)
-            if 0 < steps_per_epoch < config.steps_per_epoch:
-                log(
-                    f"config.steps_per_epoch={config.steps_per_epoch} is more than the "
-                    f"{steps_per_epoch} batches of the training split; this workdir trains "
-                    f"{steps_per_epoch} per epoch, as it was started."
-                )
-            pipes, initial = _build_runs(config, runs, dataset, steps_per_epoch, devices, stop)
-        except ValueError as error:
-            raise SetupError(str(error)) from error
-        if plan.extends_from is not None:
-            log(_extension_note(config, plan.saved, steps_per_epoch))
-        plan = _claim(plan, config, dataset, extend, context)
+        plan = _claim(plan, config, extend, context)
         results = {}
         labels = [r.label for r in runs]
         taking_back = (
             (lambda: workdir.take_back(plan, labels)) if jax.process_index() == 0 else None
         )
         try:
+            dataset = build.load_dataset(config)
+            stop.check("loading the data")
+            try:
+                workdir.check_corpus(plan, dataset.fingerprint)
+                steps_per_epoch = build.steps_per_epoch(config, dataset, cut=plan.resumes)
+                if 0 < steps_per_epoch < config.steps_per_epoch:
+                    log(
+                        f"config.steps_per_epoch={config.steps_per_epoch} is more than the "
+                        f"{steps_per_epoch} batches of the training split; this workdir trains "
+                        f"{steps_per_epoch} per epoch, as it was started."
+                    )
+                pipes, initial = _build_runs(config, runs, dataset, steps_per_epoch, devices, stop)
+            except ValueError as error:
+                raise SetupError(str(error)) from error
+            if plan.extends_from is not None:
+                log(_extension_note(config, plan.saved, steps_per_epoch))
+            plan = dataclasses.replace(plan, corpus=dataset.fingerprint)
+            if jax.process_index() == 0:
+                workdir.create(plan, config, plan.corpus)
             for run, pipe, state in zip(runs, pipes, initial):
                 log(f"\n{run.title}: {pipe}")
                 ctx = loop.RunContext(
@@ -191,6 +189,8 @@ def train(
                     raise SetupError(str(error)) from error
                 if jax.process_index() == 0:
                     _plot_run_curves(plan.path, runs, config, name or os.path.basename(plan.path))
+            if jax.process_index() == 0:
+                workdir.finish(plan, config)
             if stop.requested is not None:
                 raise Stopped(stop.requested, "Stopped after the last run had finished and saved.")
         except BaseException:
@@ -217,9 +217,9 @@ def _build_runs(config, runs, dataset, steps_per_epoch: int, devices, stop: Stop
     return pipes, initial
 
 
-def _claim(plan, config, dataset, extend: bool, context: contextlib.ExitStack):
-    """Takes the workdir for this command (process 0 holds its lock, looks at it again as it
-    is now and writes `config.json`); every process refuses alike what process 0 refused."""
+def _claim(plan, config, extend: bool, context: contextlib.ExitStack):
+    """Takes the workdir for this command: process 0 holds its lock and looks at it again
+    as it is now; every process refuses alike what process 0 refused."""
     import jax
 
     from dgrad.train import distributed, workdir
@@ -230,8 +230,6 @@ def _claim(plan, config, dataset, extend: bool, context: contextlib.ExitStack):
             context.enter_context(workdir.hold(plan.path))
             held = workdir.inspect(plan.path, config, extend=extend)
             plan = dataclasses.replace(held, existed=plan.existed)
-            workdir.check_corpus(held, dataset.fingerprint)
-            workdir.create(plan, config, dataset.fingerprint)
         except ValueError as error:
             problem = str(error)
     problem = distributed.told_by_process_0(f"workdir {plan.path}", problem)

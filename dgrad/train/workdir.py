@@ -1,14 +1,15 @@
-"""Which commands may touch a workdir, decided before anything is written.
+"""A workdir: one experiment, its state in one file, and which commands may touch it.
 
-A workdir holds one experiment: its `config.json` (written atomically) and one directory
-per run. A command may start a new experiment in a missing or empty directory, resume
-the one a workdir holds (fields that only change how a run is watched or fed may
-differ), or, with `extend`, train a finished one for more epochs; anything else is
-refused with the fields that differ. `config.json` also keeps the text corpus'
-fingerprint (`corpus`): the same config read on another Python is another corpus, and
-is refused too. A start that fails before its first checkpoint takes back what it
-wrote. A command training in a workdir holds its lock (`hold`): a second command is
-refused until the first ends.
+A workdir holds `workdir.json` and one directory per run. `workdir.json`, written
+atomically and read here alone, holds the experiment's `config`, the fingerprint of the
+text `corpus` it trains on (the same config read on another Python is another corpus) and
+`finished_epochs`, the epochs at whose end every run had finished and the curves were
+drawn (null before). A command may start a new experiment in a missing or empty directory,
+resume the one a workdir holds (fields that only change how a run is watched or fed may
+differ), or, with `extend`, train a finished one for more epochs; anything else is refused
+with the fields that differ. A command holds the workdir's lock (`hold`) from before it
+loads anything to its end, so a second command is refused at once; a start that fails
+before its first checkpoint takes back what it wrote (`take_back`).
 
 >>> import tempfile
 >>> plan = inspect(tempfile.mkdtemp(), fields.base())
@@ -32,8 +33,7 @@ import ml_collections
 from dgrad.train import config as fields
 from dgrad.train import metrics
 
-CONFIG_FILE = "config.json"
-CORPUS_KEY = "corpus"  # config.json's entry for the text corpus' fingerprint
+STATE_FILE = "workdir.json"
 LOCK_FILE = ".lock"
 
 
@@ -56,7 +56,8 @@ class Plan:
       existed: whether the directory was there before this command.
       saved: the config the workdir holds (its JSON), if any: then the command resumes.
       extends_from: with `extend`, the number of epochs the workdir was trained for.
-      corpus: the fingerprint of the text corpus its `config.json` holds, if any.
+      corpus: the fingerprint of the text corpus the workdir trains on, if any.
+      finished: the epochs the experiment had finished at, if it had.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as parent:
@@ -70,6 +71,7 @@ class Plan:
     saved: dict[str, Any] | None
     extends_from: int | None = None
     corpus: dict[str, Any] | None = None
+    finished: int | None = None
 
     @property
     def resumes(self) -> bool:
@@ -83,7 +85,7 @@ def inspect(
 
     >>> import tempfile
     >>> path, config = tempfile.mkdtemp(), fields.base()
-    >>> create(inspect(path, config), config)  # a new experiment: writes config.json
+    >>> create(inspect(path, config), config)  # a new experiment: writes workdir.json
     >>> config.num_stages = 4
     >>> inspect(path, config)
     Traceback (most recent call last):
@@ -97,14 +99,8 @@ def inspect(
         if extend:
             raise WorkdirError(f"--extend needs a trained experiment, but {path} holds none.")
         return Plan(path, os.path.isdir(path), None)
-    config_path = os.path.join(path, CONFIG_FILE)
-    if not os.path.exists(config_path):
-        raise WorkdirError(
-            f"{path} holds files but no {CONFIG_FILE}, so it is not a dgrad workdir; "
-            "choose a new --workdir."
-        )
-    saved = _saved_config(config_path)
-    corpus = saved.pop(CORPUS_KEY, None)
+    state = _read_state(path)
+    saved = state["config"]
     old, new = fields.flatten(saved), fields.flatten(fields.to_json(config))
     changed = fields.differences(saved, config, extending=extend)
     longer = fields.extension(saved, config)
@@ -120,37 +116,40 @@ def inspect(
         hint = " (to train it longer, add --extend)" if changed == ["num_epochs"] and longer else ""
         raise WorkdirError(
             f"{path} holds another experiment (this config differs in: {differences}){hint}; "
-            f"resume it with its own config ({config_path}), or use a new --workdir."
+            f"resume it with its own config (in {os.path.join(path, STATE_FILE)}), or use a "
+            "new --workdir."
         )
     # (under --extend, as many epochs as saved: an extension that was stopped resumes)
-    return Plan(path, True, saved, longer if extend else None, corpus)
+    extends_from = longer if extend else None
+    return Plan(path, True, saved, extends_from, state["corpus"], state["finished_epochs"])
 
 
-def _saved_config(config_path: str) -> dict[str, Any]:
-    """The config a workdir's `config.json` holds; a `WorkdirError` if it holds none."""
-    try:
-        with open(config_path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        saved = error
-    if not isinstance(saved, dict):
-        what = str(saved) if isinstance(saved, Exception) else f"it holds a {type(saved).__name__}"
+def _read_state(path: str) -> dict[str, Any]:
+    """The state `workdir.json` holds; a `WorkdirError` if the workdir has none or it is
+    damaged."""
+    state_path = os.path.join(path, STATE_FILE)
+    if not os.path.exists(state_path):
+        older = os.path.exists(os.path.join(path, "config.json"))
         raise WorkdirError(
-            f"{config_path} is damaged ({what}), so what this workdir trains is unknown; "
+            f"{path} was started by an older dgrad (it holds config.json, not {STATE_FILE}); "
+            "train it with the dgrad that started it, or use a new --workdir."
+            if older
+            else f"{path} holds files but no {STATE_FILE}, so it is not a dgrad workdir; "
+            "choose a new --workdir."
+        )
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        state = error
+    keys = {"config", "corpus", "finished_epochs"}
+    if not (isinstance(state, dict) and keys <= set(state) and isinstance(state["config"], dict)):
+        what = state if isinstance(state, Exception) else f"it holds no {', '.join(sorted(keys))}"
+        raise WorkdirError(
+            f"{state_path} is damaged ({what}), so what this workdir trains is unknown; "
             "restore it from a copy, or use a new --workdir."
         )
-    return saved
-
-
-def _recorded_corpus(path: str) -> dict[str, Any] | None:
-    """The corpus fingerprint in the epoch records of the runs in the workdir `path`, for
-    a workdir started before `config.json` kept it (None if no run has recorded one)."""
-    for name in sorted(os.listdir(path)):
-        for record in metrics.read(os.path.join(path, name, "metrics.jsonl"), "epoch"):
-            corpus = metrics.corpus_of(record)
-            if corpus:
-                return corpus
-    return None
+    return state
 
 
 def check_corpus(plan: Plan, fingerprint: dict[str, Any] | None) -> None:
@@ -165,8 +164,6 @@ def check_corpus(plan: Plan, fingerprint: dict[str, Any] | None) -> None:
     dgrad.train.workdir.WorkdirError: ... another corpus (python 3.11.9 -> 3.12.4, sha256 ...
     """
     trained_on = plan.corpus
-    if trained_on is None and fingerprint is not None and plan.resumes:
-        trained_on = _recorded_corpus(plan.path)  # a workdir older than config.json's entry
     if trained_on is None or trained_on == fingerprint:
         return
     fingerprint = fingerprint or {}
@@ -223,30 +220,6 @@ def hold(path: str | os.PathLike):
         yield  # (closing the file releases the lock)
 
 
-def check_not_held(path: str | os.PathLike) -> None:
-    """Raises `WorkdirError` at once if another command holds `path`'s lock, so that a
-    second command is refused before it builds anything (`hold` claims it later).
-
-    >>> import tempfile
-    >>> with tempfile.TemporaryDirectory() as path, hold(path):
-    ...     check_not_held(path)
-    Traceback (most recent call last):
-    ...
-    dgrad.train.workdir.WorkdirError: another command is training in /...; ...
-    """
-    path = os.path.abspath(os.fspath(path))
-    try:
-        lock = open(os.path.join(path, LOCK_FILE))
-    except OSError:  # none yet (or unreadable: `hold` says so)
-        return
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            if error.errno in (errno.EAGAIN, errno.EACCES):
-                raise _held_by_another(path) from None
-
-
 def _held_by_another(path: str) -> WorkdirError:
     return WorkdirError(
         f"another command is training in {path} (it holds {LOCK_FILE}); wait for it to end, "
@@ -257,30 +230,44 @@ def _held_by_another(path: str) -> WorkdirError:
 def create(
     plan: Plan, config: ml_collections.ConfigDict, corpus: dict[str, Any] | None = None
 ) -> None:
-    """Makes the workdir and writes the config (atomically) that it now holds, with the
-    fingerprint of the text `corpus` it trains on.
+    """Makes the workdir and writes the state it now holds: `config`, the fingerprint of
+    the text `corpus` it trains on, and the epochs it had finished at (an extension's).
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as parent:
     ...     path = os.path.join(parent, "experiment")
     ...     create(inspect(path, fields.base()), fields.base())
     ...     print(os.listdir(path), inspect(path, fields.base()).resumes)
-    ['config.json'] True
+    ['workdir.json'] True
     """
     os.makedirs(plan.path, exist_ok=True)
-    _write_config(plan.path, fields.to_json(config), corpus)
+    _write_state(plan.path, fields.to_json(config), corpus, plan.finished)
 
 
-def _write_config(path: str, saved: dict[str, Any], corpus: dict[str, Any] | None) -> None:
-    temporary = os.path.join(path, CONFIG_FILE + ".tmp")
+def finish(plan: Plan, config: ml_collections.ConfigDict) -> None:
+    """Records that every run has finished `config.num_epochs` and the curves are drawn.
+
+    >>> import tempfile
+    >>> path, config = tempfile.mkdtemp(), fields.base()
+    >>> create(inspect(path, config), config)
+    >>> finish(inspect(path, config), config)
+    >>> inspect(path, config).finished
+    300
+    """
+    _write_state(plan.path, fields.to_json(config), plan.corpus, config.num_epochs)
+
+
+def _write_state(path: str, config: dict, corpus: dict | None, finished: int | None) -> None:
+    temporary = os.path.join(path, STATE_FILE + ".tmp")
     with open(temporary, "w") as f:
-        json.dump({**saved, **({CORPUS_KEY: corpus} if corpus else {})}, f, indent=2)
-    os.replace(temporary, os.path.join(path, CONFIG_FILE))
+        state = {"config": config, "corpus": corpus, "finished_epochs": finished}
+        json.dump(state, f, indent=2)
+    os.replace(temporary, os.path.join(path, STATE_FILE))
 
 
 def take_back(plan: Plan, run_labels) -> bool:
     """Removes what a start that trained nothing wrote (nothing if any run has a checkpoint),
-    or puts back the config of an experiment whose extension saved nothing; whether it did.
+    or puts back the state of an experiment whose extension saved nothing; whether it did.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as parent:
@@ -297,7 +284,7 @@ def take_back(plan: Plan, run_labels) -> bool:
             for meta in newest
         ):
             return False
-        _write_config(plan.path, plan.saved, plan.corpus)  # the extension trained nothing
+        _write_state(plan.path, plan.saved, plan.corpus, plan.finished)  # it trained nothing
         return True
     for label in run_labels:
         checkpoints = os.path.join(plan.path, label, "checkpoints")
@@ -306,7 +293,7 @@ def take_back(plan: Plan, run_labels) -> bool:
     if not plan.existed:
         shutil.rmtree(plan.path, ignore_errors=True)
         return True
-    for name in [CONFIG_FILE, *run_labels]:  # (the lock stays: another may be waiting on it)
+    for name in [STATE_FILE, LOCK_FILE, *run_labels]:  # (`hold` sees its lock file replaced)
         target = os.path.join(plan.path, name)
         if os.path.isdir(target):
             shutil.rmtree(target, ignore_errors=True)
@@ -332,46 +319,22 @@ def _newest_meta(run_dir: str) -> dict[str, Any] | None:
             return None
 
 
-def total_steps(meta: dict[str, Any]) -> int:
-    """How many steps the run of a checkpoint's metadata trains for.
-
-    >>> total_steps({"step": 40, "num_stages": 2, "extra": {"total_steps": 100}})
-    100
-    """
-    return meta["extra"]["total_steps"]
-
-
 def final_records(plan: Plan, runs) -> dict[str, dict[str, Any]] | None:
-    """Each run's last epoch record if every run has finished, else None: from the runs'
-    checkpoint metadata and metrics, their exported models and the curves drawn after the
-    last of them (a command killed before its export or its plot has not finished).
+    """Each run's last epoch record if the experiment has finished its epochs, else None.
 
     >>> import tempfile
     >>> config = fields.base()
     >>> with tempfile.TemporaryDirectory() as path:
     ...     create(inspect(path, config), config)
-    ...     print(final_records(inspect(path, config), fields.runs_of(config)))  # no checkpoint
+    ...     print(final_records(inspect(path, config), fields.runs_of(config)))  # not finished
     None
     """
-    curves = os.path.join(plan.path, "curves.png")
-    if not plan.resumes or not os.path.exists(curves):
+    if not plan.resumes or plan.finished != plan.saved["num_epochs"]:
         return None
-    records, exported = {}, []
+    records = {}
     for run in runs:
-        run_dir = os.path.join(plan.path, run.label)
-        meta = _newest_meta(run_dir)
-        if meta is None:
-            return None
-        model = os.path.join(run_dir, "model")
-        if meta["step"] < total_steps(meta) or not os.path.isdir(model):
-            return None  # stopped before the end, or before the model was exported
-        if meta["extra"]["config"]["num_epochs"] != plan.saved["num_epochs"]:
-            return None  # the end of fewer epochs than config.json's: an extension killed early
-        exported.append(os.stat(model).st_mtime_ns)
-        epochs = metrics.read(os.path.join(run_dir, "metrics.jsonl"), "epoch")
+        epochs = metrics.read(os.path.join(plan.path, run.label, "metrics.jsonl"), "epoch")
         if not epochs:
             return None
         records[run.title] = epochs[-1]
-    if os.stat(curves).st_mtime_ns < max(exported, default=0):
-        return None  # drawn before the last run's export: stopped before the final plot
     return records

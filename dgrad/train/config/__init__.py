@@ -3,7 +3,7 @@
 `fields` (every field: default, meaning, rule; `base`, `check`, `describe`),
 `overrides` (`--config.<field>=<value>`), `files` (reading `experiments/configs/*.py`),
 `recipes` (the papers' recipes and the smoke variant), `runs` (the runs a config asks
-for) and `saved` (`config.json`, and what a new config changes in it).
+for) and `saved` (a config as a workdir saves it, and what a new config changes in it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A config as saved in a workdir's `config.json`, and what a new config changes in it.
+"""A config as a workdir saves it (`dgrad.train.workdir`), and what a new config changes in it.
 
 A field added since a config was saved reads as its default there. A resumed run may
 change only the fields that are `resumable` (how it is watched or fed), and, extending,
