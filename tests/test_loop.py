@@ -4,73 +4,84 @@ import math
 
 import jax.numpy as jnp
 
-from dgrad.train.loop import Behind, Due, Pace, Tally, due_after, text_metrics
+from dgrad.train.loop import Due, TrainMetrics, due_after, text_metrics
 
 
-class Records(list):
-    write = list.append
+def metrics_of(records=None, **kwargs):
+    writer = None if records is None else Writer(records)
+    return TrainMetrics(writer, start=kwargs.pop("start", 0), per_step=32, **kwargs)
 
 
-def test_the_tally_reads_device_values_and_leaves_out_what_is_no_metric():
-    tally = Tally()
-    assert tally.add({}) == {}  # FDG while filling: nothing reported, nothing counted
-    reported = {"loss": jnp.array(0.5), "batch": 7, "probe": {}, "probe_step": 3}
-    assert tally.add(reported) == {"loss": 0.5}
-    assert tally.saved() == {
-        "epoch": {"loss": 0.5, "count": 1},
-        "interval": {"loss": 0.5, "count": 1},
-    }
+class Writer:
+    def __init__(self, records):
+        self.write = records.append
 
 
-def test_the_interval_and_the_epoch_are_means_taken_once_and_carried_by_a_checkpoint():
-    tally = Tally()
-    for loss in (1.0, 3.0):
-        tally.add({"loss": loss})
-    assert (tally.take_interval(), tally.take_interval()) == ({"loss": 2.0}, {})
-    tally.add({"loss": 5.0})
-    resumed = Tally(tally.saved())
-    assert resumed.take_interval() == {"loss": 5.0}
+def test_device_values_are_read_once_and_what_is_no_metric_left_out():
+    metrics = metrics_of()
+    metrics.hold({})  # FDG while filling: nothing reported, nothing counted
+    assert metrics.read() is None and metrics.saved() == {"epoch": {}, "interval": {}}
+    metrics.hold({"loss": jnp.array(0.5), "batch": 7, "probe": {}, "probe_step": 3})
+    assert (metrics.read(), metrics.read()) == (0.5, None)
+    sums = {"loss": 0.5, "count": 1}
+    assert metrics.saved() == {"epoch": sums, "interval": sums}
+
+
+def test_a_record_holds_the_interval_s_mean_once_and_a_checkpoint_carries_the_sums():
+    records = []
+    metrics = metrics_of(records)
+    for step, loss in enumerate((1.0, 3.0), start=1):
+        metrics.hold({"loss": loss}, log_at=step if step == 2 else None)
+        metrics.read()
+    metrics.hold({}, log_at=3)  # nothing since the last record: none written
+    metrics.read()
+    assert [(r["step"], r["loss"]) for r in records] == [(2, 2.0)]
+    metrics.hold({"loss": 5.0})
+    metrics.read()
+    resumed = metrics_of(records, start=3, saved=metrics.saved())
+    resumed.hold({}, log_at=4)
+    resumed.read()
+    assert (records[-1]["step"], records[-1]["loss"]) == (4, 5.0)
     assert (resumed.take_epoch(), resumed.take_epoch()) == ({"train_loss": 3.0}, {})
 
 
 def test_the_pace_leaves_out_paused_time_and_names_its_unit():
-    pace = Pace(start=8, per_step=64, unit="token")
-    assert pace.take(8) == {}  # no step since the start
-    pace.begin -= 40.0  # as if the 4 steps to come took 40 s ...
-    pace.pause(20.0)  # ... half of them evaluating
-    taken = pace.take(12)
-    assert sorted(taken) == ["step_seconds", "tokens_per_second"]
-    assert math.isclose(taken["step_seconds"], 5.0, rel_tol=1e-3)
-    assert pace.paused == 0.0 and pace.take(12) == {}
+    records = []
+    metrics = metrics_of(records, start=8, unit="token")
+    metrics.begin -= 40.0  # as if the 4 steps to come took 40 s ...
+    metrics.pause(20.0)  # ... half of them evaluating
+    metrics.hold({"loss": 1.0}, log_at=12)
+    metrics.read()
+    assert sorted(records[0]) == ["kind", "loss", "step", "step_seconds", "tokens_per_second"]
+    assert math.isclose(records[0]["step_seconds"], 5.0, rel_tol=1e-3)
+    assert math.isclose(records[0]["tokens_per_second"], 32 / 5.0, rel_tol=1e-3)
+    assert metrics.paused == 0.0
 
 
 def test_the_pace_gives_the_mfu_only_with_flops_and_a_peak():
-    pace = Pace(start=0, per_step=32, flops=2e12, peak_flops=1e12)
-    pace.begin -= 40.0  # 4 steps of 10 s: 0.2 TFLOP/s of a peak of 1
-    assert math.isclose(pace.take(4)["mfu"], 0.2, rel_tol=1e-3)
-    pace = Pace(start=0, per_step=32, flops=2e12)
-    pace.begin -= 1.0
-    assert "mfu" not in pace.take(1)
+    for flops, peak, mfu in ((2e12, 1e12, 0.2), (2e12, 0.0, None)):
+        records = []
+        metrics = metrics_of(records, flops=flops, peak_flops=peak)
+        metrics.begin -= 40.0  # 4 steps of 10 s: 0.2 TFLOP/s of a peak of 1
+        metrics.hold({"loss": 1.0}, log_at=4)
+        metrics.read()
+        if mfu is None:
+            assert "mfu" not in records[0]
+        else:
+            assert math.isclose(records[0]["mfu"], mfu, rel_tol=1e-3)
 
 
-def test_metrics_are_read_once_after_the_next_step_and_a_due_record_written_then():
-    behind = Behind(Tally(), Records())
-    behind.hold({"loss": 2.0, "batch": 0}, log_at=1)
-    assert behind.writer == []  # nothing read while the step may still run
-    assert (behind.read(), behind.read()) == (2.0, None)
-    assert behind.writer == [{"kind": "train", "step": 1, "loss": 2.0}]
-    behind.hold({})  # FDG while filling
-    assert behind.read() is None and len(behind.writer) == 1
-
-
-def test_a_train_record_carries_the_pace_and_the_probe_its_own_records():
-    behind = Behind(Tally(), Records(), Pace(start=0, per_step=8))
-    probe = {0: {"cosine": jnp.array(0.5)}}
-    behind.hold({"loss": 1.0, "batch": 0, "probe": probe, "probe_step": 0}, log_at=1)
-    behind.read()
-    probe_record, train_record = behind.writer
-    assert probe_record == {"kind": "probe", "step": 1, "stage": 0, "cosine": 0.5}
-    assert sorted(train_record) == ["kind", "loss", "samples_per_second", "step", "step_seconds"]
+def test_the_probe_s_records_are_written_when_its_step_is_read():
+    records = []
+    metrics = metrics_of(records)
+    probe = {0: {"cosine": jnp.array(0.5)}, 1: {"cosine": 0.25}}
+    metrics.hold({"loss": 1.0, "batch": 0, "probe": probe, "probe_step": 0}, log_at=1)
+    metrics.read()
+    assert records[:2] == [
+        {"kind": "probe", "step": 1, "stage": 0, "cosine": 0.5},
+        {"kind": "probe", "step": 1, "stage": 1, "cosine": 0.25},
+    ]
+    assert records[2]["kind"] == "train" and "probe" not in records[2]
 
 
 def test_what_is_due_after_a_step():

@@ -37,79 +37,6 @@ from dgrad.train.watchdog import Watchdog, injected_stall
 from dgrad.train.workdir import WorkdirError
 
 
-class Tally:
-    """Sums of the train metrics the last stage reported, over the epoch and over the
-    current log interval (JSON-able, so that a checkpoint can carry them).
-
-    >>> tally = Tally()
-    >>> tally.add({"loss": 2.0, "batch": 0})  # the batch index is no metric
-    {'loss': 2.0}
-    >>> _ = tally.add({"loss": 1.0, "batch": 1})
-    >>> tally.take_interval(), tally.take_interval()
-    ({'loss': 1.5}, {})
-    >>> Tally(tally.saved()).take_epoch()  # a checkpoint carries the epoch's sums
-    {'train_loss': 1.5}
-    """
-
-    def __init__(self, saved: dict[str, dict[str, float]] | None = None):
-        saved = saved or {}
-        self.epoch = dict(saved.get("epoch", {}))
-        self.interval = dict(saved.get("interval", {}))
-
-    def add(self, reported: dict[str, Any]) -> dict[str, float]:
-        """Adds one step's metrics (reading them to the host); returns them as floats."""
-        if not reported:  # FDG while filling: no batch reached the loss yet
-            return {}
-        values = {
-            name: float(v)
-            for name, v in reported.items()
-            if name not in ("batch", "probe", "probe_step")
-        }
-        for sums in (self.epoch, self.interval):
-            for name, value in values.items():
-                sums[name] = sums.get(name, 0.0) + value
-            sums["count"] = sums.get("count", 0) + 1
-        return values
-
-    @staticmethod
-    def _means(sums, prefix=""):
-        count = sums.get("count", 0)
-        return {f"{prefix}{k}": v / count for k, v in sums.items() if k != "count" and count}
-
-    def take_interval(self) -> dict[str, float]:
-        """The means since the last call (a log record's), and a fresh interval."""
-        means, self.interval = self._means(self.interval), {}
-        return means
-
-    def take_epoch(self) -> dict[str, float]:
-        """The epoch's means, named as the epoch record names them, and a fresh epoch."""
-        means, self.epoch = self._means(self.epoch, "train_"), {}
-        return means
-
-    def saved(self) -> dict[str, dict[str, float]]:
-        """The sums as a checkpoint carries them (`Tally(saved)` continues from them)."""
-        return {"epoch": dict(self.epoch), "interval": dict(self.interval)}
-
-
-def write_probe(writer, reported: dict[str, Any]) -> None:
-    """One `probe` record per stage when the step's metrics hold the staleness probe's.
-
-    >>> records = []
-    >>> class Writer:
-    ...     write = records.append
-    >>> write_probe(Writer, {"loss": 1.0, "probe": {0: {"cosine": 0.5}}, "probe_step": 3})
-    >>> records
-    [{'kind': 'probe', 'step': 4, 'stage': 0, 'cosine': 0.5}]
-    """
-    if writer is None or "probe" not in reported:
-        return
-    for stage, values in reported["probe"].items():
-        record = {name: float(value) for name, value in values.items()}
-        writer.write(  # step: the steps done, as in the other records
-            {"kind": "probe", "step": reported["probe_step"] + 1, "stage": stage, **record}
-        )
-
-
 @dataclasses.dataclass
 class RunContext:
     """What a run needs beside its config: where it writes and how it reports.
@@ -210,111 +137,121 @@ def due_after(
     return Due(log, epoch_end, save, stop)
 
 
-class Pace:
-    """The pace of the steps between two train records: seconds per step and `unit`s per
-    second (a step being `per_step` of them), without the time paused in between
-    (evaluating, saving); and the model FLOPs utilization when a step's `flops` and the
-    `peak_flops` per second of all the run's devices are given. Read from the host's
-    clock when a record is due, so that the loop never waits for a device to time it.
+class TrainMetrics:
+    """A run's train metrics, read one step behind: `hold` keeps a step's (device arrays)
+    until `read`, called once the next step is dispatched, so that the host never waits for
+    the step it just dispatched. What is read is summed over the epoch and the log interval
+    (JSON-able: `saved` is what a checkpoint carries, and `saved=` continues from it), the
+    staleness probe's records written at once, and a train record due at the step held
+    written with the interval's means and its pace: seconds per step and `unit`s per second
+    (a step being `per_step` of them) without the time `pause`d (evaluating, saving), and the
+    MFU when a step's `flops` and the `peak_flops` per second of all the devices are given.
 
-    >>> pace = Pace(start=0, per_step=32)
-    >>> pace.begin -= 40.0  # as if the 4 steps to come took 40 s in all
-    >>> pace.pause(20.0)  # half of which went to an evaluation
-    >>> {name: round(value) for name, value in pace.take(4).items()}
-    {'step_seconds': 5, 'samples_per_second': 6}
+    >>> records = []
+    >>> class Writer:
+    ...     write = records.append
+    >>> metrics = TrainMetrics(Writer, start=0, per_step=32)
+    >>> metrics.hold({"loss": 2.0, "batch": 0}, log_at=1)  # step 1's metrics, a log due
+    >>> records  # nothing read yet
+    []
+    >>> metrics.read()  # after step 2 is dispatched
+    2.0
+    >>> [(r["kind"], r["step"], r["loss"]) for r in records], sorted(records[0])[-2:]
+    ([('train', 1, 2.0)], ['step', 'step_seconds'])
+    >>> metrics.pause(1.0)  # an evaluation's seconds, left out of the pace
+    >>> TrainMetrics(None, start=1, per_step=32, saved=metrics.saved()).take_epoch()
+    {'train_loss': 2.0}
     """
 
     def __init__(
         self,
+        writer,
         start: int,
         per_step: int,
         unit: str = "sample",
         flops: float = 0.0,
         peak_flops: float = 0.0,
+        saved: dict[str, dict[str, float]] | None = None,
     ):
-        self.step, self.per_step, self.unit = start, per_step, unit
+        self.writer, self.per_step, self.unit = writer, per_step, unit
         self.flops, self.peak_flops = flops, peak_flops
-        self.begin, self.paused = time.perf_counter(), 0.0
+        self.sums = {part: dict((saved or {}).get(part, {})) for part in ("epoch", "interval")}
+        self.pending, self.log_at = None, None
+        self.step, self.begin, self.paused = start, time.perf_counter(), 0.0
+
+    def hold(self, step_metrics: dict[str, Any], log_at: int | None = None) -> None:
+        """Holds a step's metrics until `read`; `log_at`: the step whose train record is
+        written once they are read."""
+        self.pending, self.log_at = step_metrics, log_at
+
+    def read(self) -> float | None:
+        """Reads what is held, once; returns its loss (None if it has none: FDG filling)."""
+        loss = None
+        if self.pending:
+            reported = share(self.pending)
+            values = {
+                name: float(value)
+                for name, value in reported.items()
+                if name not in ("batch", "probe", "probe_step")
+            }
+            for sums in self.sums.values():
+                for name, value in values.items():
+                    sums[name] = sums.get(name, 0.0) + value
+                sums["count"] = sums.get("count", 0) + 1
+            loss = values.get("loss")
+            for stage, probe in reported.get("probe", {}).items():  # step: the steps done
+                step = reported["probe_step"] + 1
+                record = {name: float(value) for name, value in probe.items()}
+                self._write({"kind": "probe", "step": step, "stage": stage, **record})
+        if self.log_at is not None:
+            interval = self._take("interval")
+            if interval:
+                self._write({"kind": "train", "step": self.log_at, **interval, **self._pace()})
+        self.pending, self.log_at = None, None
+        return loss
 
     def pause(self, seconds: float) -> None:
         """Leaves `seconds` (spent on something other than steps) out of the pace."""
         self.paused += seconds
 
-    def take(self, step: int) -> dict[str, float]:
-        """The pace since the last call (or the start) up to `step` steps done; {} if no
-        step was done since.
-        """
-        now, steps = time.perf_counter(), step - self.step
+    def take_epoch(self) -> dict[str, float]:
+        """The epoch's means, named as the epoch record names them, and a fresh epoch."""
+        return {f"train_{name}": mean for name, mean in self._take("epoch").items()}
+
+    def saved(self) -> dict[str, dict[str, float]]:
+        """The sums as a checkpoint carries them."""
+        return {part: dict(sums) for part, sums in self.sums.items()}
+
+    def _take(self, part: str) -> dict[str, float]:
+        sums, self.sums[part] = self.sums[part], {}
+        count = sums.pop("count", 0)
+        return {name: total / count for name, total in sums.items()} if count else {}
+
+    def _pace(self) -> dict[str, float]:
+        now, steps = time.perf_counter(), self.log_at - self.step
         if steps <= 0:
             return {}
         seconds = max(now - self.begin - self.paused, 1e-9) / steps
-        self.step, self.begin, self.paused = step, now, 0.0
+        self.step, self.begin, self.paused = self.log_at, now, 0.0
         pace = {"step_seconds": seconds, f"{self.unit}s_per_second": self.per_step / seconds}
         if self.flops and self.peak_flops:
             pace["mfu"] = self.flops / seconds / self.peak_flops
         return pace
 
-
-class Behind:
-    """The metrics of the last step, read (shared between processes, tallied, probes
-    written) only once the next step is dispatched, so that the host never waits for the
-    step it just dispatched; a log record due at that step is written once they are read.
-
-    >>> records = []
-    >>> class Writer:
-    ...     write = records.append
-    >>> behind = Behind(Tally(), Writer)
-    >>> behind.hold({"loss": 2.0, "batch": 0}, log_at=1)  # step 1's metrics, a log due
-    >>> records  # nothing read yet
-    []
-    >>> behind.read()  # after step 2 is dispatched
-    2.0
-    >>> records
-    [{'kind': 'train', 'step': 1, 'loss': 2.0}]
-    >>> behind.write_interval(2)  # no step since: no record
-    """
-
-    def __init__(self, tally: Tally, writer, pace: Pace | None = None):
-        self.tally, self.writer, self.pace = tally, writer, pace
-        self.pending, self.log_at = None, None
-
-    def hold(self, step_metrics: dict[str, Any], log_at: int | None = None) -> None:
-        """Holds a step's metrics (device arrays) until `read`; `log_at`: the step whose
-        train record is written once they are read.
-        """
-        self.pending, self.log_at = step_metrics, log_at
-
-    def read(self) -> float | None:
-        """Reads what is held, once; returns its loss (None if it has none)."""
-        loss = None
-        if self.pending is not None:
-            reported = share(self.pending)
-            loss = self.tally.add(reported).get("loss")
-            write_probe(self.writer, reported)
-        if self.log_at is not None:
-            self.write_interval(self.log_at)
-        self.pending, self.log_at = None, None
-        return loss
-
-    def write_interval(self, step: int) -> None:
-        """Writes the mean train metrics since the last record, as the record of `step`,
-        with the steps' pace if a `Pace` is given.
-        """
-        interval = self.tally.take_interval()
-        if interval and self.writer is not None:
-            pace = self.pace.take(step) if self.pace is not None else {}
-            self.writer.write({"kind": "train", "step": step, **interval, **pace})
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.writer.write(record)
 
 
 def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
-    """The state and tally to continue from: those of the newest checkpoint that restores
+    """The state and metric sums to continue from: those of the newest checkpoint that restores
     (the newer ones set aside, each said in one line), or a fresh start."""
     steps = checkpoints.all_steps()
     if not steps:
         path = os.path.join(ctx.run_dir, "metrics.jsonl")
         if ctx.writes and os.path.exists(path):  # killed before its first checkpoint
             metrics.truncate(path, after_step=0)
-        return ctx.initial, Tally()
+        return ctx.initial, None
     failed = []
     for step in reversed(steps):  # newest first, on every process alike
         try:
@@ -346,7 +283,7 @@ def _resume(ctx: RunContext, config, checkpoints: Checkpointer, total: int):
             f"{position} of {ctx.steps_per_epoch} batches done)"
             + (", the newest that restores" if failed else "")
         )
-    return state, Tally(extra["tally"])
+    return state, extra["tally"]
 
 
 def _refuse_other_runs(ctx: RunContext, config, meta: dict[str, Any]) -> None:
@@ -361,7 +298,7 @@ def _refuse_other_runs(ctx: RunContext, config, meta: dict[str, Any]) -> None:
 
 
 def _epoch_record(
-    ctx, config, state, test, tally, epoch_start, saving_seconds, watchdog
+    ctx, config, state, test, train_metrics, epoch_start, saving_seconds, watchdog
 ) -> dict[str, Any]:
     """The record of the epoch that ends at `state.step`: its train tally, the evaluation
     of `test`, the time since `epoch_start` (its `seconds`) and what of it went to
@@ -382,7 +319,7 @@ def _epoch_record(
         "kind": "epoch",
         "step": state.step,
         "epoch": state.step // ctx.steps_per_epoch,
-        **tally.take_epoch(),
+        **train_metrics.take_epoch(),
         **results,
         "seconds": now - epoch_start,
         "train_seconds": evaluated - epoch_start - saving_seconds,
@@ -397,7 +334,7 @@ def _epoch_record(
     return record
 
 
-def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> float:
+def _save(checkpoints, state, config, train_metrics, total, ctx, watchdog) -> float:
     """Checkpoints `state` with what a resume needs beside it: the config, the epoch's
     tally so far and where the data stream stands; returns the seconds the steps wait
     for it (the previous write's end and the copy to host; the files are written in
@@ -409,7 +346,7 @@ def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> float:
             state,
             {
                 "config": fields.to_json(config),
-                "tally": tally.saved(),
+                "tally": train_metrics.saved(),
                 "data": {"next_step": state.step, "epoch": epoch, "batch_in_epoch": position},
                 "total_steps": total,
             },
@@ -418,7 +355,7 @@ def _save(checkpoints, state, config, tally, total, ctx, watchdog) -> float:
 
 
 def _flops_and_peak(pipe: Pipeline, peak_tflops: float) -> dict[str, float]:
-    """A step's model FLOPs and the peak FLOP/s of all the pipeline's devices, for `Pace`'s
+    """A step's model FLOPs and the peak FLOP/s of all the pipeline's devices, for the
     MFU; {} without `peak_tflops`."""
     if not peak_tflops:
         return {}
@@ -478,7 +415,7 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
     )
     with checkpoints, Watchdog(config.stall_timeout, take_back=ctx.take_back) as watchdog:
         watchdog.watch_writes(checkpoints.writing)
-        state, tally = _resume(ctx, config, checkpoints, total)
+        state, sums = _resume(ctx, config, checkpoints, total)
 
         label = f"{ctx.run.label} "
         if jax.process_count() > 1:
@@ -502,18 +439,19 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
         )
         vote = StopVote(ctx.run.label)  # (`log_every_steps` bounds the wait for a stop)
         last_loss, epoch_start, saving = None, time.perf_counter(), 0.0
-        pace = Pace(
+        train_metrics = TrainMetrics(
+            writer,
             state.step,
             config.batch_size * (tokens or 1),
             "token" if tokens else "sample",
             **_flops_and_peak(pipe, config.peak_tflops),
+            saved=sums,
         )
-        behind = Behind(tally, writer, pace)
         with progress:
             for batch in stream.iterate(state.step, total):
                 injected_stall(state.step)
                 state, step_metrics = pipe.step(state, batch)
-                loss = behind.read()  # the step before this one
+                loss = train_metrics.read()  # the step before this one
                 last_loss = last_loss if loss is None else loss
                 step = state.step
                 watchdog.beat(step)
@@ -526,23 +464,23 @@ def train_run(config: ml_collections.ConfigDict, ctx: RunContext) -> dict[str, A
                     stop_agreed=lambda: vote.any(ctx.stop.requested is not None),
                     agree_every_step=jax.process_count() == 1,
                 )
-                behind.hold(step_metrics, log_at=step if due.log or due.evaluate else None)
+                train_metrics.hold(step_metrics, step if due.log or due.evaluate else None)
                 if not (due.evaluate or due.save or due.stop):
                     continue
-                behind.read()  # evaluating and saving wait for this step anyway
+                train_metrics.read()  # evaluating and saving wait for this step anyway
                 if due.evaluate:
                     record = _epoch_record(
-                        ctx, config, state, test, tally, epoch_start, saving, watchdog
+                        ctx, config, state, test, train_metrics, epoch_start, saving, watchdog
                     )
-                    pace.pause(record["eval_seconds"])
+                    train_metrics.pause(record["eval_seconds"])
                     if writer is not None:
                         writer.write(record)
                     progress.write(epoch_line(record), ctx.log)
                     epoch_start, saving = time.perf_counter(), 0.0
                 if due.save or due.stop:
-                    seconds = _save(checkpoints, state, config, tally, total, ctx, watchdog)
+                    seconds = _save(checkpoints, state, config, train_metrics, total, ctx, watchdog)
                     saving += seconds  # (an epoch's end saves after its record: the next's)
-                    pace.pause(seconds)
+                    train_metrics.pause(seconds)
                 if due.stop:
                     _finish_writing(checkpoints, watchdog)
                     if writer is not None:
