@@ -16,6 +16,11 @@ plus `workdir/workdir.json` (its config and state) and the curves of all runs in
 Calling `train` again on the same workdir resumes every unfinished run from its
 newest checkpoint, bit for bit; a workdir holding another experiment is
 refused before anything is written (`dgrad.train.workdir`).
+
+JAX and the model's libraries are imported inside the functions that build and train
+(`_build_runs`, `build`, `loop`): about 3 s of imports on a 2-core machine, which a config
+mistake (one line in 0.3 s from `python -m experiments.train`) and a workdir found finished
+do without.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
+from dgrad.train import config as fields
+from dgrad.train import distributed, metrics, workdir
 from dgrad.train.signals import Stopped, StopRequests
 
 if TYPE_CHECKING:
@@ -58,7 +67,6 @@ def _say(text: str) -> None:
 def _extension_note(config, saved: dict[str, Any], steps_per_epoch: int) -> str:
     """What extending from the saved number of epochs does to each run's learning rate."""
     from dgrad.train import build
-    from dgrad.train import config as fields
 
     old = fields.from_json(saved)
     end = old.num_epochs * steps_per_epoch
@@ -115,9 +123,6 @@ def train(
     >>> first["FDG K=2"]["step"], 0 <= first["FDG K=2"]["test_accuracy"] <= 1, again == first
     (2, True, True)
     """
-    from dgrad.train import config as fields
-    from dgrad.train import workdir
-
     log = log or _say
     try:
         fields.check(config)
@@ -203,7 +208,6 @@ def train(
 def _build_runs(config, runs, dataset, steps_per_epoch: int, devices, stop: StopRequests):
     """Each run's pipeline, and its initial state on a batch of the training split's shapes."""
     import jax
-    import numpy as np
 
     from dgrad.train import build
 
@@ -222,8 +226,6 @@ def _claim(plan, config, extend: bool, context: contextlib.ExitStack):
     as it is now; every process refuses alike what process 0 refused."""
     import jax
 
-    from dgrad.train import distributed, workdir
-
     problem = None
     if jax.process_index() == 0:
         try:
@@ -240,16 +242,12 @@ def _claim(plan, config, extend: bool, context: contextlib.ExitStack):
 
 def _example_batch(config, dataset):
     """A batch of the training split's shapes (its first `batch_size` examples)."""
-    import numpy as np
-
     indices = np.arange(config.batch_size) % len(dataset.train)
     images, labels = dataset.train.get(indices)
     return dataset.eval_transform.apply(images, labels, None)
 
 
 def _plot_run_curves(path: str, runs, config, name: str) -> None:
-    from dgrad.train import metrics
-
     records = {r.title: metrics.read(os.path.join(path, r.label, "metrics.jsonl")) for r in runs}
     curves = {t: [r for r in rs if r["kind"] == "epoch"] for t, rs in records.items()}
     probes = {t: [r for r in rs if r["kind"] == "probe"] for t, rs in records.items()}
