@@ -199,3 +199,31 @@ def test_the_workdir_json_holds_the_config_the_corpus_and_the_epochs_finished(tm
     create(inspect(tmp_path, config, extend=True), config, corpus)
     assert inspect(tmp_path, config).finished == config.num_epochs - 1
     assert sorted(os.listdir(tmp_path)) == [STATE_FILE]  # no temporary file left
+
+
+def test_the_supervisor_forwards_each_signal_once_to_each_child_also_one_started_after():
+    """A child counts the SIGTERMs it gets for 3 s, then prints the count: one started after
+    the signal gets it too, at the next poll, and none gets it twice however often it polls."""
+    import signal
+
+    from dgrad.train.supervisor import Supervisor
+
+    count = (
+        "import signal, sys, time; got = []; signal.signal(signal.SIGTERM, lambda *a: "
+        "got.append(1)); print('ready', flush=True); time.sleep(3); print(len(got))"
+    )
+    out = io.StringIO()
+    with Supervisor(out) as children:
+        first = children.start([sys.executable, "-c", count], prefix="[first] ")
+        while "ready" not in out.getvalue():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process: the supervisor takes it
+        assert children.stopped == [signal.SIGTERM]
+        children.start([sys.executable, "-c", count], prefix="[late] ")
+        while "[late] ready" not in out.getvalue():  # (only `poll` sends: none sent yet)
+            time.sleep(0.05)
+        while len(children.poll()) > 0:  # (each poll forwards what is not yet sent)
+            time.sleep(0.05)
+    lines = sorted(line for line in out.getvalue().splitlines() if "ready" not in line)
+    assert lines == ["[first] 1", "[late] 1"], out.getvalue()
+    assert first.returncode == 0
