@@ -202,7 +202,7 @@ def test_the_workdir_json_holds_the_config_the_corpus_and_the_epochs_finished(tm
 
 
 def test_the_supervisor_forwards_each_signal_once_to_each_child_also_one_started_after():
-    """A child counts the SIGTERMs it gets for 3 s, then prints the count: one started after
+    """A child counts the SIGTERMs it gets for 2 s, then prints the count: one started after
     the signal gets it too, at the next poll, and none gets it twice however often it polls."""
     import signal
 
@@ -210,7 +210,7 @@ def test_the_supervisor_forwards_each_signal_once_to_each_child_also_one_started
 
     count = (
         "import signal, sys, time; got = []; signal.signal(signal.SIGTERM, lambda *a: "
-        "got.append(1)); print('ready', flush=True); time.sleep(3); print(len(got))"
+        "got.append(1)); print('ready', flush=True); time.sleep(2); print(len(got))"
     )
     out = io.StringIO()
     with Supervisor(out) as children:
