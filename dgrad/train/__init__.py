@@ -10,19 +10,16 @@ them), `sweep` and `cli` (the command line).
 
 from __future__ import annotations
 
+import importlib
+
 from dgrad.train.experiment import SetupError, train
 from dgrad.train.signals import Stopped, StopRequests
+from dgrad.train.workdir import WorkdirError
 
 __all__ = ["SetupError", "Stopped", "StopRequests", "WorkdirError", "train"]
 
 
-def __getattr__(name: str):
-    if name == "WorkdirError":
-        from dgrad.train.workdir import WorkdirError
-
-        return WorkdirError
-    if name in ("build", "checkpoint", "config", "evaluate", "export", "loop", "metrics"):
-        import importlib
-
+def __getattr__(name: str):  # the modules that import JAX, on first use
+    if name in ("build", "checkpoint", "evaluate", "export", "loop"):
         return importlib.import_module(f"dgrad.train.{name}")
     raise AttributeError(f"module 'dgrad.train' has no attribute {name!r}")
